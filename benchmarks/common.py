@@ -1,0 +1,122 @@
+"""Helpers shared by the benchmarks: the mid-size random checkpoint, test audio, timing, peak RSS, tables.
+
+Nothing here is part of the package; benchmarks are run as scripts from the repository root, e.g.
+    python -m benchmarks.greedy_vs_transformers
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------- the mid-size random model
+
+MID_SEED = 0
+# decoder weight std: 0.3 is what tiny models use; checked here to give varied (non-repeating) greedy output
+MID_STD = 0.3
+
+
+def mid_config():
+    from nxdi_voxtral.config import AudioEncoderConfig, TextConfig, VoxtralConfig
+    audio = AudioEncoderConfig(hidden_size=256, intermediate_size=1024, num_layers=2, num_heads=4)
+    text = TextConfig(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16,
+                      num_kv_heads=4, head_dim=64)
+    return VoxtralConfig(audio=audio, text=text)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("NXDI_VOXTRAL_BENCH_CACHE",
+                               Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nxdi_voxtral_bench"))
+
+
+def cached_checkpoint(cfg, seed: int, std: float, name: str = "ckpt") -> Path:
+    """Write a random checkpoint once into the cache (keyed by config, seed, std); atomic rename, safe to race."""
+    from nxdi_voxtral.synthetic import write_random_checkpoint
+    key = json.dumps({"cfg": asdict(cfg), "seed": seed, "std": std}, sort_keys=True)
+    final = cache_root() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (final / "config.json").is_file() and any(final.glob("model*.safetensors")):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".building-"))
+    write_random_checkpoint(tmp, cfg, seed=seed, std=std)
+    try:
+        tmp.rename(final)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def mid_checkpoint(seed: int = MID_SEED, std: float = MID_STD) -> Path:
+    return cached_checkpoint(mid_config(), seed, std, name="mid")
+
+
+def test_audio(seconds: float = 30.0, sr: int = 16000, seed: int = 0) -> np.ndarray:
+    """A linear chirp (200 Hz -> 4 kHz) plus a little seeded noise: deterministic, non-silent, speech-band."""
+    t = np.arange(int(seconds * sr), dtype=np.float64) / sr
+    f0, f1 = 200.0, 4000.0
+    phase = 2 * np.pi * (f0 * t + (f1 - f0) * t ** 2 / (2 * seconds))
+    noise = np.random.default_rng(seed).standard_normal(t.shape) * 0.02
+    return (0.3 * np.sin(phase) + noise).astype(np.float32)
+
+
+# ---------------------------------------------------------------- measurement
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / (1024 * 1024) if sys.platform == "darwin" else r / 1024
+
+
+def timed(fn, *args, **kwargs):
+    """-> (result, seconds)."""
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def distinct_ratio(tokens) -> tuple[int, int]:
+    """(distinct tokens, total tokens): a cheap check that greedy output is not degenerate."""
+    tokens = list(tokens)
+    return len(set(tokens)), len(tokens)
+
+
+def run_json_subprocess(module: str, args: list[str], timeout: float | None = None) -> dict:
+    """Run `python -m module args...` (from the repo root) in a fresh process; its last stdout line is JSON.
+
+    A fresh process per implementation keeps peak-RSS numbers from mixing. stderr passes through."""
+    cmd = [sys.executable, "-m", module, *args]
+    p = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {p.returncode}\n{p.stdout[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- output
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+        return str(v)
+    cells = [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in cells)])

@@ -1,0 +1,79 @@
+"""Loading HF Voxtral checkpoints (model*.safetensors, sharded or not) into our module's parameter names."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no model*.safetensors files")
+    return files
+
+
+def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in safetensors_files(Path(model_dir)):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    out[k] = st.get_tensor(k)
+        except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
+            raise CheckpointError(f"{f}: cannot read safetensors file ({e})") from None
+    return out
+
+
+def convert_hf_to_neuron_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF key layouts -> our module names.
+
+    transformers 4.5x / hub files: audio_tower.*, multi_modal_projector.*, language_model.model.*, language_model.lm_head.*
+    transformers 5.x in memory:    model.audio_tower.*, model.multi_modal_projector.*, model.language_model.*, lm_head.*
+    ours:                          audio_tower.*, multi_modal_projector.*, language_model.*, lm_head.*
+    """
+    out = {}
+    for k, v in state_dict.items():
+        if k.startswith("model."):
+            k = k[len("model."):]
+        if k.startswith("language_model.lm_head."):
+            k = k[len("language_model."):]
+        elif k.startswith("language_model.model."):
+            k = "language_model." + k[len("language_model.model."):]
+        out[k] = v
+    return out
+
+
+def check_and_cast(state_dict: dict[str, torch.Tensor], module: torch.nn.Module, dtype: torch.dtype,
+                   source: str) -> dict[str, torch.Tensor]:
+    """Exactly the module's persistent tensors, with their shapes; a typed error names the first offender."""
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in state_dict]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{source}: tensor {missing[0]!r} is missing{more}")
+    out = {}
+    for k, ref in expected.items():
+        t = state_dict[k]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise CheckpointError(f"{source}: tensor {k!r} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+        out[k] = t.to(dtype) if t.is_floating_point() else t
+    unused = sorted(set(state_dict) - set(expected))
+    if unused:
+        log.warning("%s: ignoring %d tensors the model does not use (first: %s)", source, len(unused), unused[0])
+    return out

@@ -1,0 +1,251 @@
+"""Voxtral in plain PyTorch: Whisper-style audio encoder + projector + Llama decoder with a static KV cache.
+
+Parameter names follow the HF checkpoint (after `checkpoint.convert_hf_to_neuron_state_dict`), so a state dict
+loads with `load_state_dict(strict=True)`. Nothing here depends on transformers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import AudioEncoderConfig, TextConfig, VoxtralConfig
+
+
+# ---------------------------------------------------------------- audio encoder
+
+class EncoderAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        # scale q before the product, as Whisper does: it changes rounding, and we compare against it
+        q = (self.q_proj(x) * self.head_dim ** -0.5).view(b, t, self.heads, -1).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.heads, -1).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.heads, -1).transpose(1, 2)
+        probs = torch.softmax((q @ k.transpose(-1, -2)).float(), dim=-1).to(v.dtype)
+        return self.out_proj((probs @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: AudioEncoderConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.self_attn = EncoderAttention(d, cfg.num_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.intermediate_size)
+        self.fc2 = nn.Linear(cfg.intermediate_size, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x))
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class AudioEncoder(nn.Module):
+    """mel [n_chunks, n_mels, 2*P] -> hidden [n_chunks, P, d] (P = max_source_positions)."""
+
+    def __init__(self, cfg: AudioEncoderConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.conv1 = nn.Conv1d(cfg.num_mel_bins, d, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(cfg.max_source_positions, d)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layer_norm = nn.LayerNorm(d)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.conv1(mel.to(self.conv1.weight.dtype)))
+        x = F.gelu(self.conv2(x)).transpose(1, 2)
+        x = x + self.embed_positions.weight.to(x.dtype)
+        for layer in self.layers:
+            x = layer(x)
+        return self.layer_norm(x)
+
+
+class Projector(nn.Module):
+    def __init__(self, audio_intermediate: int, hidden: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(audio_intermediate, hidden, bias=False)
+        self.linear_2 = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.gelu(self.linear_1(x)))
+
+
+# ---------------------------------------------------------------- decoder
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, t, D]; cos/sin [t, D] (float32)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [1, Hq, T, D]; k, v [1, Hkv, S, D]; visible [T, S] bool -> [1, T, Hq*D]. GQA without copying k/v."""
+    _, hq, t, d = q.shape
+    hkv = k.shape[1]
+    q = q.view(1, hkv, hq // hkv, t, d)
+    scores = (q @ k.unsqueeze(2).transpose(-1, -2)).float() * d ** -0.5
+    scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
+    out = torch.softmax(scores, dim=-1).to(v.dtype) @ v.unsqueeze(2)
+    return out.view(1, hq, t, d).transpose(1, 2).reshape(1, t, hq * d)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, write_pos, k_cache, v_cache, key_len, visible):
+        """Writes this call's K/V into the caches at `write_pos` (in place), then attends.
+
+        key_len is None: attend only to this call's own K/V (prefill from position 0);
+        else attend to cache[:key_len] (the KV bucket), which already holds this call's K/V.
+        """
+        t = x.shape[1]
+        q = apply_rope(self.q_proj(x).view(1, t, self.n_heads, -1).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_proj(x).view(1, t, self.n_kv, -1).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(1, t, self.n_kv, -1).transpose(1, 2)
+        k_cache.index_copy_(2, write_pos, k.to(k_cache.dtype))
+        v_cache.index_copy_(2, write_pos, v.to(v_cache.dtype))
+        if key_len is not None:
+            k, v = k_cache[:, :, :key_len], v_cache[:, :, :key_len]
+        return self.o_proj(attention(q, k, v, visible))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, write_pos, k_cache, v_cache, key_len, visible):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, write_pos, k_cache, v_cache, key_len, visible)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LanguageModel(nn.Module):
+    """Llama decoder body. The KV cache is a pair of buffers [layers, 1, n_kv, max_len, head_dim] updated by index."""
+
+    def __init__(self, cfg: TextConfig, max_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("rope_cos", torch.empty(max_len, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_len, cfg.head_dim), persistent=False)
+        shape = (cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.register_buffer("k_cache", torch.empty(shape), persistent=False)
+        self.register_buffer("v_cache", torch.empty(shape), persistent=False)
+        self.init_state()
+
+    def init_state(self) -> None:
+        """(Re)compute the RoPE tables in float32 and zero the caches (after loading onto a real device)."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, self.max_len)
+        self.rope_cos = cos.to(self.rope_cos.device)
+        self.rope_sin = sin.to(self.rope_sin.device)
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+
+    @property
+    def max_len(self) -> int:
+        return self.k_cache.shape[3]
+
+    def forward(self, x, positions, key_len, visible, capture_layers=()):
+        """x [1, T, H] embeddings at `positions` [T] (int) -> (final-normed hidden [1, T, H], captured outputs).
+
+        captured = outputs of the decoder layers listed in capture_layers (DFlash context features).
+        """
+        pos = positions.long()
+        cos, sin = self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, pos, self.k_cache[i], self.v_cache[i], key_len, visible)
+            if i in capture_layers:
+                captured.append(x)
+        return self.norm(x), captured
+
+
+def causal_visible(t: int, device=None) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()
+
+
+def cached_visible(positions: torch.Tensor, cache_mask: torch.Tensor) -> torch.Tensor:
+    """Which cache slots each new token may read. positions [T] are consecutive; cache_mask [1, S] (int, 1 = a
+    valid slot written before this call). New tokens also see this call's tokens up to themselves. Slots past
+    the valid length (rejected speculation, padding) are never visible."""
+    slots = torch.arange(cache_mask.shape[1], device=positions.device)
+    pos = positions.long()
+    in_block = (slots[None, :] >= pos[0]) & (slots[None, :] <= pos[:, None])
+    return (cache_mask > 0) | in_block
+
+
+class VoxtralModel(nn.Module):
+    def __init__(self, cfg: VoxtralConfig, max_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.audio_tower = AudioEncoder(cfg.audio)
+        self.multi_modal_projector = Projector(cfg.audio.intermediate_size, cfg.text.hidden_size)
+        self.language_model = LanguageModel(cfg.text, max_len)
+        self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+
+    def encode_audio(self, mel: torch.Tensor) -> torch.Tensor:
+        """mel [n, n_mels, frames] -> audio embeddings [n * tokens_per_chunk, H]."""
+        h = self.audio_tower(mel)
+        return self.multi_modal_projector(h.reshape(-1, self.cfg.audio.intermediate_size))
+
+    def embed_with_audio(self, input_ids, audio_embeds, audio_positions):
+        """Token embeddings with audio embeddings written at audio_positions by index (no masked_scatter).
+
+        Padding entries of audio_positions point at row T (one past the prompt): a scratch row that is dropped."""
+        x = self.language_model.embed_tokens(input_ids.long())[0]
+        x = torch.cat([x, x.new_zeros(1, x.shape[1])], dim=0)
+        x = x.index_copy(0, audio_positions.long(), audio_embeds.to(x.dtype))
+        return x[:-1].unsqueeze(0)

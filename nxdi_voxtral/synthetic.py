@@ -1,0 +1,132 @@
+"""Random Voxtral checkpoints in the real on-disk format (HF config.json + safetensors + tekken.json).
+
+Used by the embedded demo, the tests and the benchmarks. Same arguments and seed -> same bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .config import AudioEncoderConfig, TextConfig, VoxtralConfig
+
+# Voxtral's special tokens (Tekken v7 ids); the rest of the first 1000 ids are fillers
+SPECIAL_TOKENS = {0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]", 5: "[AVAILABLE_TOOLS]",
+                  6: "[/AVAILABLE_TOOLS]", 7: "[TOOL_RESULTS]", 8: "[/TOOL_RESULTS]", 9: "[TOOL_CALLS]",
+                  10: "[IMG]", 11: "<pad>", 12: "[IMG_BREAK]", 13: "[IMG_END]", 14: "[PREFIX]", 15: "[MIDDLE]",
+                  16: "[SUFFIX]", 17: "[SYSTEM_PROMPT]", 18: "[/SYSTEM_PROMPT]", 19: "[TOOL_CONTENT]",
+                  24: "[AUDIO]", 25: "[BEGIN_AUDIO]", 32: "[ARGS]", 33: "[CALL_ID]", 34: "[TRANSCRIBE]"}
+NUM_SPECIAL = 1000
+
+TINY_AUDIO = AudioEncoderConfig(hidden_size=32, intermediate_size=128, num_layers=1, num_heads=2)
+TINY_TEXT = TextConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=32)
+DEMO_SEED = 1234
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A real Tekken tokenizer with Voxtral's audio settings, from the vocabulary file mistral-common ships."""
+    src = json.loads((resources.files("mistral_common") / "data" / "tekken_240911.json").read_text())
+    src.pop("image", None)
+    src["config"].update(version="v7", default_vocab_size=vocab_size, default_num_special_tokens=NUM_SPECIAL)
+    src["special_tokens"] = [{"rank": i, "token_str": SPECIAL_TOKENS.get(i, f"<SPECIAL_{i}>"), "is_control": True}
+                             for i in range(NUM_SPECIAL)]
+    src["audio"] = {"sampling_rate": 16000, "frame_rate": 12.5, "chunk_length_s": 30.0,
+                    "audio_encoding_config": {"num_mel_bins": 128, "hop_length": 160, "window_size": 400}}
+    (out_dir / "tekken.json").write_text(json.dumps(src))
+
+
+def hf_config_dict(cfg: VoxtralConfig) -> dict:
+    a, t = cfg.audio, cfg.text
+    return {
+        "architectures": ["VoxtralForConditionalGeneration"], "model_type": "voxtral",
+        "audio_token_id": cfg.audio_token_id, "projector_hidden_act": "gelu", "hidden_size": t.hidden_size,
+        "audio_config": {"model_type": "voxtral_encoder", "hidden_size": a.hidden_size,
+                         "intermediate_size": a.intermediate_size, "num_hidden_layers": a.num_layers,
+                         "num_attention_heads": a.num_heads, "num_mel_bins": a.num_mel_bins,
+                         "max_source_positions": a.max_source_positions, "activation_function": "gelu",
+                         "scale_embedding": False},
+        "text_config": {"model_type": "llama", "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
+                        "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_layers,
+                        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
+                        "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps, "hidden_act": "silu",
+                        "rope_theta": t.rope_theta, "max_position_embeddings": 131072,
+                        "bos_token_id": t.bos_token_id, "eos_token_id": t.eos_token_id,
+                        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
+    }
+
+
+def random_state_dict(cfg: VoxtralConfig, seed: int, std: float = 0.3, audio_std: float = 0.05) -> dict:
+    """HF (hub / transformers 4.5x) key layout. std of the decoder weights controls how varied greedy output is."""
+    from .model import VoxtralModel
+    g = torch.Generator().manual_seed(seed)
+    model = VoxtralModel(cfg, max_len=1)
+    sd = {}
+    for k, p in model.state_dict().items():
+        if k.startswith("language_model") and k.endswith("norm.weight"):
+            v = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        elif "layer_norm" in k:
+            v = (1.0 if k.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            v = torch.randn(p.shape, generator=g) * (audio_std if k.startswith("audio_tower") else std)
+        sd[k] = v.contiguous()
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("language_model."):
+            k = "language_model.model." + k[len("language_model."):]
+        elif k.startswith("lm_head."):
+            k = "language_model." + k
+        out[k] = v
+    return out
+
+
+def write_checkpoint(out_dir: str | Path, cfg: VoxtralConfig, state_dict: dict, shards: int = 1) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2))
+    write_tokenizer(out, cfg.text.vocab_size)
+    keys = sorted(state_dict)
+    if shards == 1:
+        save_file({k: state_dict[k] for k in keys}, str(out / "model.safetensors"))
+        return out
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = keys[i::shards]
+        save_file({k: state_dict[k] for k in part}, str(out / name))
+        weight_map.update({k: name for k in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def write_random_checkpoint(out_dir, cfg: VoxtralConfig | None = None, seed: int = 0, std: float = 0.3,
+                            shards: int = 1) -> Path:
+    cfg = cfg or VoxtralConfig(audio=TINY_AUDIO, text=TINY_TEXT)
+    return write_checkpoint(out_dir, cfg, random_state_dict(cfg, seed, std), shards)
+
+
+def demo_model_dir() -> Path:
+    """The embedded demo model, built once per machine into the user cache (atomic rename, safe to race)."""
+    root = Path(os.environ.get("NXDI_VOXTRAL_CACHE", Path.home() / ".cache" / "nxdi_voxtral"))
+    cfg = VoxtralConfig(audio=TINY_AUDIO, text=TINY_TEXT)
+    digest = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    tag = f"demo-seed{DEMO_SEED}-{digest}"
+    final = root / tag
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
+    write_random_checkpoint(tmp, cfg, seed=DEMO_SEED)
+    try:
+        tmp.rename(final)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="nxdi_voxtral",
+    version="0.1.0",
+    description="Voxtral-Mini-3B as fixed-shape graphs for AWS Trainium2 (NxD Inference / TorchNeuron) "
+                "with exact speculative decoding; every graph also runs and is tested on CPU.",
+    python_requires=">=3.10",
+    packages=find_packages(include=["nxdi_voxtral*", "kernels*", "compile*", "artifacts*"]),
+    install_requires=[
+        # satisfied by the CPU torch 2.13 wheel; install torch first so pip does not pull a CUDA build
+        "torch>=2.9,<2.15",
+        "transformers>=4.56,<6",
+        "mistral-common[audio]>=1.8,<2",
+        "safetensors>=0.4",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "test": ["pytest>=7"],
+        # trn2 stack: from AWS's Neuron package repository (PyPI only has placeholders), see README
+        "trn2": [],
+    },
+)
