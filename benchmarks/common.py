@@ -80,6 +80,60 @@ def peak_rss_mib() -> float:
     return r / (1024 * 1024) if sys.platform == "darwin" else r / 1024
 
 
+def cpu_busy_fraction(seconds: float = 1.0) -> float | None:
+    """Fraction of all CPUs busy over a short sample (Linux /proc/stat); None where unavailable.
+
+    Take it before a benchmark: other processes competing for the cores inflate every timing."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+        return sum(v), idle
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except (OSError, ValueError):
+        return None
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
+class OtherCpuLoad:
+    """Context manager: how busy the CPUs were with *other* processes while the block ran (Linux).
+
+    System-wide busy CPU time (/proc/stat) minus this process's and its waited-for children's CPU time, as a
+    fraction of all CPUs x wall time. `.fraction` is None where /proc/stat is unavailable."""
+
+    @staticmethod
+    def _stat():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)
+
+    @staticmethod
+    def _own_cpu_s():
+        r = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        return sum(x.ru_utime + x.ru_stime for x in r)
+
+    def __enter__(self):
+        self.fraction = None
+        try:
+            self._t0, self._i0 = self._stat()
+        except (OSError, ValueError):
+            self._t0 = None
+        self._own0 = self._own_cpu_s()
+        return self
+
+    def __exit__(self, *exc):
+        if self._t0 is None:
+            return False
+        t1, i1 = self._stat()
+        hz = os.sysconf("SC_CLK_TCK")
+        total, busy = (t1 - self._t0) / hz, ((t1 - self._t0) - (i1 - self._i0)) / hz
+        self.fraction = max(0.0, busy - (self._own_cpu_s() - self._own0)) / max(total, 1e-9)
+        return False
+
+
 def timed(fn, *args, **kwargs):
     """-> (result, seconds)."""
     t0 = time.perf_counter()

@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: python benchmarks/greedy_vs_transformers.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (distinct_ratio, markdown_table, median, mid_checkpoint, peak_rss_mib,
+from benchmarks.common import (OtherCpuLoad, cpu_busy_fraction, distinct_ratio, markdown_table, median, mid_checkpoint, peak_rss_mib,
                                run_json_subprocess, test_audio, timed)
 
 MODULE = "benchmarks.greedy_vs_transformers"
@@ -142,7 +142,7 @@ def child(args) -> None:
 # ---------------------------------------------------------------- parent
 
 def parent(args) -> None:
-    t_start, load_before = time.perf_counter(), os.getloadavg()[0]
+    t_start, busy_before = time.perf_counter(), cpu_busy_fraction(1.0)
     model_dir, ckpt_s = timed(mid_checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         inputs = Path(tmp) / "inputs.pt"
@@ -150,7 +150,8 @@ def parent(args) -> None:
         torch.save({"input_ids": input_ids, "input_features": feats}, inputs)
         common = ["--json", "--model-dir", str(model_dir), "--inputs", str(inputs),
                   "--max-new-tokens", str(args.max_new_tokens), "--runs", str(args.runs)]
-        res = {impl: run_json_subprocess(MODULE, ["--impl", impl, *common]) for impl in ("ours", "transformers")}
+        with OtherCpuLoad() as others:
+            res = {impl: run_json_subprocess(MODULE, ["--impl", impl, *common]) for impl in ("ours", "transformers")}
 
     ours, hf = res["ours"], res["transformers"]
     rows = []
@@ -183,9 +184,11 @@ def parent(args) -> None:
             print(f"  {r['impl']}: EOS at new token {r['tokens'].index(eos)} (generation stopped early)")
     ratio = ours["decode_ms_per_token"] / hf["decode_ms_per_token"]
     print(f"decode per-token ratio ours/transformers: {ratio:.2f} (target <= 0.70: {'met' if ratio <= 0.7 else 'NOT met'})")
-    # "after" includes this benchmark's own threads; a busy machine *before* means someone else is competing
-    print(f"1-min load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
-          + (" -- WARNING: the machine was busy before the run; timings may be inflated" if load_before > 1.0 else ""))
+    if busy_before is not None and others.fraction is not None:
+        noisy = max(busy_before, others.fraction) > 0.1
+        print(f"CPU taken by other processes: {100 * busy_before:.0f}% before, {100 * others.fraction:.0f}% during "
+              f"the run (of {os.cpu_count()} CPUs)"
+              + (" -- WARNING: the machine was not quiet; timings may be inflated, rerun" if noisy else ""))
     print(f"checkpoint {'written' if ckpt_s > 1 else 'cached'} in {ckpt_s:.1f} s; "
           f"benchmark wall time {time.perf_counter() - t_start:.0f} s")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .errors import ConfigError
-from .graphs import Buckets, GraphSpec, example_inputs
+from .graphs import Buckets
 
 I32 = torch.int32
 
@@ -40,14 +40,6 @@ def prepare_prefill(input_ids: torch.Tensor, input_features: torch.Tensor, cfg, 
     return nb, mel, ids, positions, torch.tensor([t - 1], dtype=I32)
 
 
-def prefill(run, input_ids, input_features, cfg, buckets: Buckets) -> tuple[int, int]:
-    """-> (first generated token, its position)."""
-    nb, mel, ids, audio_positions, last_index = prepare_prefill(input_ids, input_features, cfg, buckets)
-    (audio_embeds,) = run("audio_encoder", nb, mel)
-    (first,) = run("context_encoding", nb, ids, audio_embeds, audio_positions, last_index)
-    return int(first[0]), int(last_index[0]) + 1
-
-
 def cache_mask(bucket: int, valid: int) -> torch.Tensor:
     return (torch.arange(bucket) < valid).to(I32)[None]
 
@@ -70,3 +62,33 @@ def check_capacity(prompt_len: int, max_new_tokens: int, buckets: Buckets) -> No
     if prompt_len + max_new_tokens > buckets.kv_lengths[-1]:
         raise ConfigError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the largest "
                           f"KV bucket ({buckets.kv_lengths[-1]}); lower max_new_tokens or add a larger kv bucket")
+
+
+def speculate(run, drafter, first_token: int, position: int, max_new_tokens: int, eos_id: int,
+              buckets: Buckets, k: int, stats) -> list[int]:
+    """Draft proposes up to k tokens, one target `verify` pass accepts the longest prefix that equals its own
+    greedy choice and adds one token: output is plain greedy, token for token. Stops at EOS / max_new_tokens
+    even inside an accepted block."""
+    tokens = [first_token]
+    while len(tokens) < max_new_tokens and tokens[-1] != eos_id:
+        proposal = drafter.propose(tokens, position)
+        if not proposal:  # nothing to verify (n-gram miss): a plain decode step is the cheaper target pass
+            tokens += decode(run, tokens[-1], position, 2, eos_id, buckets)[1:]
+            stats.record([], 0, 1)
+            position += 1
+            continue
+        bucket = buckets.kv_bucket(position + k + 1)
+        candidates = torch.tensor([[tokens[-1]] + proposal + [0] * (k - len(proposal))], dtype=I32)
+        target, accepted, bonus, *features = run(
+            "verify", bucket, candidates, (position + torch.arange(k + 1, dtype=I32))[None],
+            cache_mask(bucket, position), torch.tensor([len(proposal)], dtype=I32))
+        a = int(accepted[0])
+        new = proposal[:a] + [int(bonus[0])]
+        drafter.accepted(a, features, position)
+        room = max_new_tokens - len(tokens)
+        if eos_id in new:
+            room = min(room, new.index(eos_id) + 1)
+        tokens += new[:room]
+        stats.record(proposal, a, len(new[:room]))
+        position += a + 1
+    return tokens

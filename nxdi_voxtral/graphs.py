@@ -6,7 +6,7 @@ and the runtime both enumerate graphs through `graph_plan` and build inputs thro
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -14,6 +14,7 @@ from torch import nn
 from .config import VoxtralConfig
 from .errors import AudioTooLongError, ConfigError
 from .model import VoxtralModel, causal_visible, cached_visible
+from kernels.verify_ref import greedy_verify_ref
 
 I32 = torch.int32
 
@@ -55,10 +56,87 @@ class Buckets:
                               f"({longest_prompt} tokens for {self.audio_chunks[-1]} chunks)")
 
 
+# ---------------------------------------------------------------- what is being compiled
+
+DRAFT_KINDS = ("layers", "dflash", "ngram")
+
+
+@dataclass(frozen=True)
+class GraphSetup:
+    """Everything that decides the set of graphs and their input signatures."""
+    cfg: VoxtralConfig
+    buckets: Buckets
+    dtype: torch.dtype = torch.float32
+    draft_kind: str | None = None
+    k: int = 0                                # proposals per verify
+    capture_layers: tuple[int, ...] = ()      # DFlash: target layers whose outputs feed the draft
+    dflash_block: int = 0
+    draft_own_audio: bool = False             # layer draft whose audio tower differs from the target's
+
+    @property
+    def feature_dim(self) -> int:
+        return len(self.capture_layers) * self.cfg.text.hidden_size
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    tag: str
+    bucket: int
+
+
+def graph_plan(setup: GraphSetup) -> list[GraphSpec]:
+    """Every (tag, bucket) the configuration needs, in compile order."""
+    b = setup.buckets
+    per_chunks = lambda tag: [GraphSpec(tag, n) for n in b.audio_chunks]  # noqa: E731
+    per_kv = lambda tag: [GraphSpec(tag, n) for n in b.kv_lengths]  # noqa: E731
+    plan = per_chunks("audio_encoder") + per_chunks("context_encoding") + per_kv("token_generation")
+    if setup.draft_kind in DRAFT_KINDS:
+        plan += per_kv("verify")
+    if setup.draft_kind == "layers":
+        plan += per_chunks("draft_context_encoding") + per_kv("draft_fused_k")
+    if setup.draft_kind == "dflash":
+        plan += per_chunks("dflash_context") + per_kv("dflash_draft")
+    return plan
+
+
+def example_inputs(spec: GraphSpec, setup: GraphSetup) -> tuple:
+    """One example tuple per (tag, bucket): the trace example and the routing key (shapes)."""
+    cfg, a, h, n = setup.cfg, setup.cfg.audio, setup.cfg.text.hidden_size, spec.bucket
+    zeros_i = lambda *shape: torch.zeros(*shape, dtype=I32)  # noqa: E731
+    mel = lambda: torch.zeros(n, a.num_mel_bins, a.mel_frames_per_chunk)  # noqa: E731
+    if spec.tag == "audio_encoder":
+        return (mel(),)
+    if spec.tag in ("context_encoding", "draft_context_encoding", "dflash_context"):
+        n_audio, p = n * a.tokens_per_chunk, setup.buckets.prompt_length(n, cfg)
+        ids, positions = zeros_i(1, p), torch.full((n_audio,), p, dtype=I32)
+        embeds = torch.zeros(n_audio, h, dtype=setup.dtype)
+        if spec.tag == "context_encoding":
+            return (ids, embeds, positions, zeros_i(1))
+        if spec.tag == "draft_context_encoding":
+            return (ids, mel() if setup.draft_own_audio else embeds, positions)
+        return (torch.zeros(1, p, setup.feature_dim, dtype=setup.dtype),)
+    mask = zeros_i(1, n)
+    if spec.tag == "token_generation":
+        return (zeros_i(1, 1), zeros_i(1), mask)
+    if spec.tag == "verify":
+        return (zeros_i(1, setup.k + 1), zeros_i(1, setup.k + 1), mask, zeros_i(1))
+    if spec.tag == "draft_fused_k":
+        return (zeros_i(1, 2), zeros_i(1, 2), mask)
+    if spec.tag == "dflash_draft":
+        blk = setup.dflash_block
+        return (torch.zeros(1, blk, setup.feature_dim, dtype=setup.dtype), zeros_i(1, blk), zeros_i(1, 1),
+                zeros_i(1), mask)
+    raise ConfigError(f"unknown graph tag {spec.tag!r}")
+
+
 # ---------------------------------------------------------------- graph modules
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(logits, dim=-1).to(I32)
+
+
 class AudioEncoderGraph(nn.Module):
-    """(mel [n, n_mels, frames] f32) -> (audio_embeds [n * tokens_per_chunk, H])"""
+    """(mel [n, n_mels, frames]) -> (audio_embeds [n * tokens_per_chunk, H],)"""
 
     def __init__(self, model: VoxtralModel):
         super().__init__()
@@ -69,24 +147,40 @@ class AudioEncoderGraph(nn.Module):
 
 
 class ContextEncodingGraph(nn.Module):
-    """(input_ids [1, P] i32, audio_embeds [A, H], audio_positions [A] i32, last_index [1] i32)
-    -> (first_token [1] i32,)   writes KV for positions 0..P-1."""
+    """(input_ids [1, P], audio_embeds [A, H], audio_positions [A], last_index [1])
+    -> (first_token [1], [features [1, P, n_capture*H]])   writes KV for positions 0..P-1."""
 
-    def __init__(self, model: VoxtralModel):
+    def __init__(self, model: VoxtralModel, capture_layers=()):
         super().__init__()
-        self.model = model
+        self.model, self.capture_layers = model, tuple(capture_layers)
 
     def forward(self, input_ids, audio_embeds, audio_positions, last_index):
         x = self.model.embed_with_audio(input_ids, audio_embeds, audio_positions)
         t = x.shape[1]
-        positions = torch.arange(t, dtype=I32)
-        h, _ = self.model.language_model(x, positions, None, causal_visible(t))
-        logits = self.model.lm_head(h.index_select(1, last_index.long()))
-        return (torch.argmax(logits[0], dim=-1).to(I32),)
+        h, captured = self.model.language_model(x, torch.arange(t, dtype=I32), None, causal_visible(t),
+                                                self.capture_layers)
+        first = greedy(self.model.lm_head(h.index_select(1, last_index.long()))[0])
+        return (first, torch.cat(captured, dim=-1)) if captured else (first,)
+
+
+class DraftContextEncodingGraph(nn.Module):
+    """Layer-draft prefill: (input_ids [1, P], audio_embeds [A, H] or mel [n, n_mels, frames], audio_positions [A])
+    -> ()   writes the draft's KV so its cache holds the audio context."""
+
+    def __init__(self, draft: VoxtralModel, own_audio: bool):
+        super().__init__()
+        self.draft, self.own_audio = draft, own_audio
+
+    def forward(self, input_ids, audio, audio_positions):
+        embeds = self.draft.encode_audio(audio) if self.own_audio else audio
+        x = self.draft.embed_with_audio(input_ids, embeds, audio_positions)
+        t = x.shape[1]
+        self.draft.language_model(x, torch.arange(t, dtype=I32), None, causal_visible(t))
+        return ()
 
 
 class TokenGenerationGraph(nn.Module):
-    """(token [1, 1] i32, position [1] i32, cache_mask [1, S] i32) -> (next_token [1] i32,)"""
+    """(token [1, 1], position [1], cache_mask [1, S]) -> (next_token [1],)"""
 
     def __init__(self, model: VoxtralModel, kv_len: int):
         super().__init__()
@@ -95,43 +189,99 @@ class TokenGenerationGraph(nn.Module):
     def forward(self, token, position, cache_mask):
         x = self.model.language_model.embed_tokens(token.long())
         h, _ = self.model.language_model(x, position, self.kv_len, cached_visible(position, cache_mask))
-        return (torch.argmax(self.model.lm_head(h[0]), dim=-1).to(I32),)
+        return (greedy(self.model.lm_head(h[0])),)
 
 
-@dataclass(frozen=True)
-class GraphSpec:
-    tag: str
-    bucket: int
+class VerifyGraph(nn.Module):
+    """(candidates [1, K+1], positions [1, K+1], cache_mask [1, S], n_valid [1])
+    -> (target_tokens [1, K+1], accepted [1], bonus [1], [features [1, K+1, n_capture*H]])
+    One target pass over the last token and K proposals; greedy accept inside the graph."""
+
+    def __init__(self, model: VoxtralModel, kv_len: int, capture_layers=()):
+        super().__init__()
+        self.model, self.kv_len, self.capture_layers = model, kv_len, tuple(capture_layers)
+
+    def forward(self, candidates, positions, cache_mask, n_valid):
+        lm = self.model.language_model
+        pos = positions[0]
+        h, captured = lm(lm.embed_tokens(candidates.long()), pos, self.kv_len, cached_visible(pos, cache_mask),
+                         self.capture_layers)
+        target, accepted, bonus = greedy_verify_ref(candidates, self.model.lm_head(h), n_valid)
+        out = (target, accepted, bonus)
+        return out + (torch.cat(captured, dim=-1),) if captured else out
 
 
-def graph_plan(buckets: Buckets) -> list[GraphSpec]:
-    """Every (tag, bucket) a target needs."""
-    plan = [GraphSpec("audio_encoder", n) for n in buckets.audio_chunks]
-    plan += [GraphSpec("context_encoding", n) for n in buckets.audio_chunks]
-    plan += [GraphSpec("token_generation", s) for s in buckets.kv_lengths]
-    return plan
+class DraftFusedKGraph(nn.Module):
+    """(tokens [1, 2] = previous and last accepted, positions [1, 2], cache_mask [1, S]) -> (proposals [1, K],)
+    K greedy steps of the layer draft unrolled in one call. The previous token is re-fed because its K/V are
+    missing from the draft cache when all K proposals of the last round were accepted."""
+
+    def __init__(self, draft: VoxtralModel, kv_len: int, k: int):
+        super().__init__()
+        self.draft, self.kv_len, self.k = draft, kv_len, k
+
+    def forward(self, tokens, positions, cache_mask):
+        lm = self.draft.language_model
+        start = positions[0, 0]
+        pos = positions[0]
+        x = lm.embed_tokens(tokens.long())
+        proposals = []
+        for _ in range(self.k):
+            h, _ = lm(x, pos, self.kv_len, cached_visible(pos, cache_mask, start))
+            nxt = greedy(self.draft.lm_head(h[:, -1]))
+            proposals.append(nxt)
+            x = lm.embed_tokens(nxt.long())[:, None]
+            pos = pos[-1:] + 1
+        return (torch.stack(proposals, dim=1),)
 
 
-def build_graph(spec: GraphSpec, model: VoxtralModel) -> nn.Module:
-    if spec.tag == "audio_encoder":
-        return AudioEncoderGraph(model)
-    if spec.tag == "context_encoding":
-        return ContextEncodingGraph(model)
-    if spec.tag == "token_generation":
-        return TokenGenerationGraph(model, spec.bucket)
-    raise ConfigError(f"unknown graph tag {spec.tag!r}")
+class DFlashContextGraph(nn.Module):
+    """(features [1, P, n_capture*H]) -> ()   context K/V of prompt positions 0..P-1 into the DFlash cache."""
+
+    def __init__(self, dflash):
+        super().__init__()
+        self.dflash = dflash
+
+    def forward(self, features):
+        self.dflash.write_context(features, torch.arange(features.shape[1], dtype=I32))
+        return ()
 
 
-def example_inputs(spec: GraphSpec, cfg: VoxtralConfig, buckets: Buckets, dtype=torch.float32) -> tuple:
-    """One example tuple per (tag, bucket): the trace example and the routing key (shapes)."""
-    a, h = cfg.audio, cfg.text.hidden_size
-    if spec.tag == "audio_encoder":
-        return (torch.zeros(spec.bucket, a.num_mel_bins, a.mel_frames_per_chunk, dtype=torch.float32),)
-    if spec.tag == "context_encoding":
-        n_audio = spec.bucket * a.tokens_per_chunk
-        p = buckets.prompt_length(spec.bucket, cfg)
-        return (torch.zeros(1, p, dtype=I32), torch.zeros(n_audio, h, dtype=dtype),
-                torch.full((n_audio,), p, dtype=I32), torch.zeros(1, dtype=I32))
-    if spec.tag == "token_generation":
-        return (torch.zeros(1, 1, dtype=I32), torch.zeros(1, dtype=I32), torch.zeros(1, spec.bucket, dtype=I32))
-    raise ConfigError(f"unknown graph tag {spec.tag!r}")
+class DFlashDraftGraph(nn.Module):
+    """(new_features [1, B, F], new_positions [1, B], anchor [1, 1], anchor_position [1], ctx_mask [1, S])
+    -> (proposals [1, K],)
+    Appends context K/V of newly accepted positions (padding rows go to not-yet-valid slots), then one pass
+    over the block [anchor, mask * (B-1)] at anchor_position.. proposes the tokens of slots 1..K."""
+
+    def __init__(self, dflash, target: VoxtralModel, kv_len: int, k: int):
+        super().__init__()
+        self.dflash, self.target, self.kv_len, self.k = dflash, target, kv_len, k
+
+    def forward(self, new_features, new_positions, anchor, anchor_position, ctx_mask):
+        self.dflash.write_context(new_features, new_positions[0])
+        b = self.dflash.cfg.block_size
+        block_ids = torch.cat([anchor, torch.full((1, b - 1), self.dflash.cfg.mask_token_id, dtype=I32)], dim=1)
+        block = self.target.language_model.embed_tokens(block_ids.long())
+        h = self.dflash.propose_hidden(block, anchor_position + torch.arange(b, dtype=I32), ctx_mask)
+        return (greedy(self.target.lm_head(h[:, 1:self.k + 1])),)
+
+
+def build_graph(spec: GraphSpec, setup: GraphSetup, target: VoxtralModel, draft=None) -> nn.Module:
+    tag, n = spec.tag, spec.bucket
+    if tag == "audio_encoder":
+        return AudioEncoderGraph(target)
+    if tag == "context_encoding":
+        return ContextEncodingGraph(target, setup.capture_layers)
+    if tag == "token_generation":
+        return TokenGenerationGraph(target, n)
+    if tag == "verify":
+        return VerifyGraph(target, n, setup.capture_layers)
+    if tag == "draft_context_encoding":
+        return DraftContextEncodingGraph(draft, setup.draft_own_audio)
+    if tag == "draft_fused_k":
+        return DraftFusedKGraph(draft, n, setup.k)
+    if tag == "dflash_context":
+        return DFlashContextGraph(draft)
+    if tag == "dflash_draft":
+        return DFlashDraftGraph(draft, target, n, setup.k)
+    raise ConfigError(f"unknown graph tag {tag!r}")

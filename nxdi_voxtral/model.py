@@ -217,13 +217,15 @@ def causal_visible(t: int, device=None) -> torch.Tensor:
     return torch.ones(t, t, dtype=torch.bool, device=device).tril()
 
 
-def cached_visible(positions: torch.Tensor, cache_mask: torch.Tensor) -> torch.Tensor:
+def cached_visible(positions: torch.Tensor, cache_mask: torch.Tensor, start=None) -> torch.Tensor:
     """Which cache slots each new token may read. positions [T] are consecutive; cache_mask [1, S] (int, 1 = a
-    valid slot written before this call). New tokens also see this call's tokens up to themselves. Slots past
-    the valid length (rejected speculation, padding) are never visible."""
+    valid slot written before this call). New tokens also see the slots this call wrote from `start` (default:
+    the first position) up to themselves. Slots past the valid length (rejected speculation, padding) are
+    never visible."""
     slots = torch.arange(cache_mask.shape[1], device=positions.device)
     pos = positions.long()
-    in_block = (slots[None, :] >= pos[0]) & (slots[None, :] <= pos[:, None])
+    first = pos[0] if start is None else start.long()
+    in_block = (slots[None, :] >= first) & (slots[None, :] <= pos[:, None])
     return (cache_mask > 0) | in_block
 
 

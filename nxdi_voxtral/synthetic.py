@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib import resources
 from pathlib import Path
 
@@ -130,3 +130,67 @@ def demo_model_dir() -> Path:
     except OSError:  # another process won the race
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def layer_draft_state_dict(target_sd: dict, keep_layers: list[int]) -> dict:
+    """The pruned-layer draft: the target's layers `keep_layers` renumbered 0..n-1, everything else shared."""
+    prefix = "language_model.model.layers."
+    out = {k: v for k, v in target_sd.items() if not k.startswith(prefix)}
+    for new, old in enumerate(keep_layers):
+        src = f"{prefix}{old}."
+        out.update({f"{prefix}{new}." + k[len(src):]: v for k, v in target_sd.items() if k.startswith(src)})
+    return out
+
+
+def damp_dropped_layers(target_sd: dict, keep_layers: list[int], factor: float) -> dict:
+    """Scale o_proj / down_proj of the layers a pruned draft drops: the smaller `factor`, the closer the draft
+    tracks the target (controllable acceptance)."""
+    n = 1 + max(int(k.split(".")[3]) for k in target_sd if k.startswith("language_model.model.layers."))
+    out = dict(target_sd)
+    for i in set(range(n)) - set(keep_layers):
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            key = f"language_model.model.layers.{i}.{name}.weight"
+            out[key] = target_sd[key] * factor
+    return out
+
+
+def write_layer_draft(target_dir: str | Path, out_dir: str | Path, keep_layers: list[int]) -> Path:
+    from .checkpoint import read_safetensors
+    from .config import VoxtralConfig as _Cfg
+    cfg = _Cfg.from_dir(target_dir)
+    draft_cfg = replace(cfg, text=replace(cfg.text, num_layers=len(keep_layers)))
+    out = write_checkpoint(out_dir, draft_cfg, layer_draft_state_dict(read_safetensors(target_dir), keep_layers))
+    shutil.copy(Path(target_dir) / "tekken.json", out / "tekken.json")
+    return out
+
+
+def write_random_dflash(out_dir: str | Path, target: VoxtralConfig, target_layer_ids=(0, 1), num_layers: int = 2,
+                        block_size: int = 16, mask_token_id: int = 20, seed: int = 0, std: float = 0.3,
+                        num_heads: int | None = None, num_kv_heads: int | None = None,
+                        head_dim: int | None = None) -> Path:
+    """A DFlash draft checkpoint in the public format (config.json + model.safetensors, no embeddings/LM head)."""
+    from .dflash import DFlashConfig, DFlashDraft
+    t = target.text
+    text = TextConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                      num_layers=num_layers, num_heads=num_heads or t.num_heads,
+                      num_kv_heads=num_kv_heads or t.num_kv_heads, head_dim=head_dim or t.head_dim,
+                      rope_theta=t.rope_theta, rms_norm_eps=t.rms_norm_eps)
+    cfg = DFlashConfig(block_size=block_size, target_layer_ids=tuple(target_layer_ids), mask_token_id=mask_token_id,
+                       num_target_layers=t.num_layers, text=text)
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k, p in DFlashDraft(cfg, max_len=1).state_dict().items():
+        base = 1.0 if k.endswith("norm.weight") else 0.0
+        sd[k] = (base + (0.1 if base else std) * torch.randn(p.shape, generator=g)).contiguous()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": block_size,
+        "num_hidden_layers": num_layers, "num_target_layers": t.num_layers, "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size, "num_attention_heads": text.num_heads,
+        "num_key_value_heads": text.num_kv_heads, "head_dim": text.head_dim, "rms_norm_eps": text.rms_norm_eps,
+        "rope_theta": text.rope_theta, "vocab_size": t.vocab_size, "attention_bias": False,
+        "layer_types": ["full_attention"] * num_layers,
+        "dflash_config": {"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id}}, indent=2))
+    save_file(sd, str(out / "model.safetensors"))
+    return out

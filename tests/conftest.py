@@ -56,3 +56,35 @@ def tiny_model(tiny_dir):
 
 def noise(seconds: float, seed: int = 0, sr: int = 16000) -> np.ndarray:
     return (np.random.RandomState(seed).randn(int(seconds * sr)) * 0.1).astype(np.float32)
+
+
+@pytest.fixture(scope="session")
+def spec_dirs(tmp_path_factory):
+    """A target whose layers 1 and 3 contribute little (high-acceptance layer draft [0, 2]), a random-layer draft
+    (low acceptance) and a random DFlash draft capturing target layers [0, 2]."""
+    from nxdi_voxtral.synthetic import (damp_dropped_layers, random_state_dict, write_checkpoint,
+                                        write_layer_draft, write_random_dflash)
+    root = tmp_path_factory.mktemp("spec")
+    cfg = make_cfg("mha_hd16")  # 3 layers
+    cfg = VoxtralConfig(audio=cfg.audio, text=TextConfig(**{**cfg.text.__dict__, "num_layers": 4}))
+    target = write_checkpoint(root / "target", cfg, damp_dropped_layers(random_state_dict(cfg, 11), [0, 2], 0.05))
+    return {
+        "target": target,
+        "layers_high": write_layer_draft(target, root / "draft_high", [0, 2]),
+        "layers_low": write_layer_draft(target, root / "draft_low", [1]),
+        "dflash": write_random_dflash(root / "dflash", cfg, target_layer_ids=(0, 2), num_layers=2, seed=5),
+    }
+
+
+@pytest.fixture(scope="session")
+def spec_models(spec_dirs):
+    d = spec_dirs
+    return {
+        "plain": NxDVoxtralSpecDec.from_pretrained(d["target"], buckets=SMALL_BUCKETS),
+        "layers": NxDVoxtralSpecDec.from_pretrained(d["target"], draft=d["layers_high"], draft_kind="layers",
+                                                    num_speculative_tokens=4, buckets=SMALL_BUCKETS),
+        "dflash": NxDVoxtralSpecDec.from_pretrained(d["target"], draft=d["dflash"], draft_kind="dflash",
+                                                    buckets=SMALL_BUCKETS),
+        "ngram": NxDVoxtralSpecDec.from_pretrained(d["target"], draft_kind="ngram", num_speculative_tokens=3,
+                                                   buckets=SMALL_BUCKETS),
+    }

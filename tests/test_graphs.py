@@ -1,4 +1,6 @@
 """The graph contract (DESIGN.md §2) on every (tag, bucket)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -8,29 +10,45 @@ from nxdi_voxtral.graphs import Buckets, build_graph, example_inputs, graph_plan
 from conftest import SMALL_BUCKETS, noise
 
 
-def plan_cases():
-    return [(s.tag, s.bucket) for s in graph_plan(SMALL_BUCKETS)]
+KINDS = ["plain", "layers", "dflash", "ngram"]
 
 
-@pytest.mark.parametrize("tag,bucket", plan_cases())
-def test_every_graph_runs_at_its_bucket_within_contract(tiny_model, tag, bucket):
-    spec = next(s for s in graph_plan(SMALL_BUCKETS) if (s.tag, s.bucket) == (tag, bucket))
-    graph = build_graph(spec, tiny_model.model)
-    inputs = example_inputs(spec, tiny_model.cfg, SMALL_BUCKETS)
+def cases():
+    from conftest import SMALL_BUCKETS as B
+    from nxdi_voxtral.graphs import GraphSetup
+    from conftest import make_cfg
+    # the tag/bucket list only depends on the draft kind; the setup used for calls is the model's own
+    plans = {"plain": GraphSetup(make_cfg(), B), "layers": GraphSetup(make_cfg(), B, draft_kind="layers", k=4),
+             "dflash": GraphSetup(make_cfg(), B, draft_kind="dflash", k=15, capture_layers=(0,), dflash_block=16),
+             "ngram": GraphSetup(make_cfg(), B, draft_kind="ngram", k=3)}
+    return [(kind, s.tag, s.bucket) for kind in KINDS for s in graph_plan(plans[kind])
+            if kind == "plain" or s.tag not in ("audio_encoder", "context_encoding", "token_generation")]
+
+
+@pytest.mark.parametrize("kind,tag,bucket", cases())
+def test_every_graph_runs_at_its_bucket_within_contract(spec_models, kind, tag, bucket):
+    m = spec_models[kind]
+    spec = next(s for s in graph_plan(m.setup) if (s.tag, s.bucket) == (tag, bucket))
+    graph = build_graph(spec, m.setup, m.model, m.draft)
+    inputs = example_inputs(spec, m.setup)
     out1 = check_graph_call(f"{tag}[{bucket}]", graph, inputs)
     # same shapes out for different values in: shapes do not depend on data
     varied = tuple(torch.randint_like(t, 0, 7) if not t.is_floating_point() else torch.randn_like(t) for t in inputs)
-    if tag == "context_encoding":  # keep indices in range: audio positions may point at the scratch row only
-        varied = (varied[0], varied[1], inputs[2], varied[3])
+    if tag in ("context_encoding", "draft_context_encoding"):  # audio positions may only point at the scratch row
+        varied = varied[:2] + (inputs[2],) + varied[3:]
     out2 = check_graph_call(f"{tag}[{bucket}]", graph, varied)
     assert [o.shape for o in out1] == [o.shape for o in out2]
     assert all(o.dtype in (torch.int32, torch.float32) for o in out1)
 
 
-def test_signatures_are_distinct_for_default_and_small_buckets(tiny_model):
-    for b in (SMALL_BUCKETS, Buckets()):
-        sigs = {(s.tag, s.bucket): signature(example_inputs(s, tiny_model.cfg, b)) for s in graph_plan(b)}
-        check_distinct_signatures(sigs)
+def test_signatures_are_distinct_for_every_draft_kind(spec_models):
+    for m in spec_models.values():
+        for b in (SMALL_BUCKETS, Buckets()):
+            setup = dataclasses.replace(m.setup, buckets=b)
+            check_distinct_signatures({(s.tag, s.bucket): signature(example_inputs(s, setup))
+                                       for s in graph_plan(setup)})
+    k1 = dataclasses.replace(spec_models["layers"].setup, k=1)  # verify [1,2] vs draft_fused_k [1,2]
+    check_distinct_signatures({(s.tag, s.bucket): signature(example_inputs(s, k1)) for s in graph_plan(k1)})
     with pytest.raises(ContractViolation, match="same input shapes"):
         check_distinct_signatures({("a", 1): ((1, 2),), ("b", 2): ((1, 2),)})
 

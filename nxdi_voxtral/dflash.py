@@ -1,0 +1,150 @@
+"""DFlash block-diffusion draft (the public DFlashDraftModel checkpoint format, Qwen3-style layers).
+
+It has no embeddings and no LM head: the block is embedded with the target's embeddings and proposals come
+from the target's LM head. Its KV cache holds context rows only (target features of accepted positions).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError, DraftMismatchError
+from .model import MLP, RMSNorm, apply_rope, attention, rope_tables
+from .config import TextConfig
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: int
+    text: TextConfig  # the draft's own layer shapes (num_layers = draft layers)
+
+    @classmethod
+    def from_dir(cls, draft_dir: str | Path) -> "DFlashConfig":
+        path = Path(draft_dir) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{draft_dir}: no config.json (expected a DFlash draft checkpoint)")
+        d = json.loads(path.read_text())
+        dc = d.get("dflash_config") or {}
+        missing = [k for k in ("block_size", "num_hidden_layers", "hidden_size") if k not in d]
+        missing += [f"dflash_config.{k}" for k in ("target_layer_ids", "mask_token_id") if k not in dc]
+        if missing:
+            raise CheckpointError(f"{path}: not a DFlash config, missing {', '.join(missing)}")
+        heads = d.get("num_attention_heads", 32)
+        rope = d.get("rope_parameters") or {}
+        text = TextConfig(vocab_size=d.get("vocab_size", 0), hidden_size=d["hidden_size"],
+                          intermediate_size=d.get("intermediate_size", 4 * d["hidden_size"]),
+                          num_layers=d["num_hidden_layers"], num_heads=heads,
+                          num_kv_heads=d.get("num_key_value_heads", heads),
+                          head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                          rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e6))),
+                          rms_norm_eps=d.get("rms_norm_eps", 1e-6))
+        return cls(block_size=int(d["block_size"]), target_layer_ids=tuple(int(i) for i in dc["target_layer_ids"]),
+                   mask_token_id=int(dc["mask_token_id"]), num_target_layers=int(d.get("num_target_layers", 0)),
+                   text=text)
+
+    def check_against(self, target: TextConfig, k: int) -> None:
+        if self.text.hidden_size != target.hidden_size:
+            raise DraftMismatchError(f"DFlash hidden size {self.text.hidden_size} != target's {target.hidden_size}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise DraftMismatchError(f"DFlash target_layer_ids {bad} out of range for a {target.num_layers}-layer target")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise DraftMismatchError(f"DFlash mask_token_id {self.mask_token_id} is outside the target vocabulary "
+                                     f"(0..{target.vocab_size - 1})")
+        if self.text.vocab_size and self.text.vocab_size != target.vocab_size:
+            raise DraftMismatchError(f"DFlash vocab_size {self.text.vocab_size} != target's {target.vocab_size}")
+        if not 1 <= k <= self.block_size - 1:
+            raise DraftMismatchError(f"num_speculative_tokens={k} but a DFlash block of {self.block_size} "
+                                     f"proposes at most {self.block_size - 1}")
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def keys_values(self, x, cos, sin):
+        t = x.shape[1]
+        k = self.k_norm(self.k_proj(x).view(1, t, self.n_kv, -1)).transpose(1, 2)
+        v = self.v_proj(x).view(1, t, self.n_kv, -1).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, k_ctx, v_ctx, visible):
+        """Block rows x attend to [context cache ; the block itself], no causal mask."""
+        t = x.shape[1]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(1, t, self.n_heads, -1)).transpose(1, 2), cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        keys = torch.cat([k_ctx, k.to(k_ctx.dtype)], dim=2)
+        values = torch.cat([v_ctx, v.to(v_ctx.dtype)], dim=2)
+        return self.o_proj(attention(q, keys, values, visible))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, cfg: DFlashConfig, max_len: int):
+        super().__init__()
+        self.cfg = cfg
+        t = cfg.text
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * t.hidden_size, t.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(t) for _ in range(t.num_layers))
+        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.register_buffer("rope_cos", torch.empty(max_len + cfg.block_size, t.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_len + cfg.block_size, t.head_dim), persistent=False)
+        shape = (t.num_layers, 1, t.num_kv_heads, max_len, t.head_dim)
+        self.register_buffer("k_cache", torch.empty(shape), persistent=False)
+        self.register_buffer("v_cache", torch.empty(shape), persistent=False)
+        self.init_state()
+
+    def init_state(self) -> None:
+        cos, sin = rope_tables(self.cfg.text.head_dim, self.cfg.text.rope_theta, self.rope_cos.shape[0])
+        self.rope_cos = cos.to(self.rope_cos.device)
+        self.rope_sin = sin.to(self.rope_sin.device)
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+
+    def rope(self, positions):
+        pos = positions.long()
+        return self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
+
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """features [1, R, n_ids*H] of target positions `positions` [R] -> context K/V of every layer, in place."""
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        cos, sin = self.rope(positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(ctx, cos, sin)
+            self.k_cache[i].index_copy_(2, positions.long(), k.to(self.k_cache.dtype))
+            self.v_cache[i].index_copy_(2, positions.long(), v.to(self.v_cache.dtype))
+
+    def propose_hidden(self, block: torch.Tensor, positions: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
+        """block [1, B, H] embedded at positions [B]; ctx_mask [1, S] marks valid context slots -> norm(x) [1, B, H]."""
+        s, b = ctx_mask.shape[1], block.shape[1]
+        visible = torch.cat([(ctx_mask > 0).expand(b, s), torch.ones(b, b, dtype=torch.bool)], dim=1)
+        cos, sin = self.rope(positions)
+        x = block
+        for i, layer in enumerate(self.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, self.k_cache[i, :, :, :s],
+                                    self.v_cache[i, :, :, :s], visible)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)

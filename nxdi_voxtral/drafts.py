@@ -1,0 +1,74 @@
+"""Loading the drafts and checking that they fit the target."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from .checkpoint import check_and_cast, read_safetensors
+from .config import VoxtralConfig
+from .dflash import DFlashConfig, DFlashDraft
+from .errors import CheckpointError, ConfigError, DraftMismatchError
+from .model import VoxtralModel
+
+
+def tensors_digest(module: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_layer_draft(draft_dir: Path, target_dir: Path, draft: VoxtralConfig, target: VoxtralConfig) -> None:
+    for what, d, t in (("vocabulary size", draft.text.vocab_size, target.text.vocab_size),
+                       ("hidden size", draft.text.hidden_size, target.text.hidden_size),
+                       ("audio token id", draft.audio_token_id, target.audio_token_id)):
+        if d != t:
+            raise DraftMismatchError(f"layer draft {draft_dir}: {what} {d} != target's {t}")
+    dt, tt = Path(draft_dir) / "tekken.json", Path(target_dir) / "tekken.json"
+    if dt.is_file() and tt.is_file() and file_digest(dt) != file_digest(tt):
+        raise DraftMismatchError(f"layer draft {draft_dir}: tekken.json differs from the target's tokenizer")
+    layer_types = json.loads((Path(draft_dir) / "config.json").read_text())["text_config"].get("layer_types")
+    if layer_types is not None and len(layer_types) not in (draft.text.num_layers, target.text.num_layers):
+        raise CheckpointError(f"layer draft {draft_dir}: layer_types has {len(layer_types)} entries for "
+                              f"{draft.text.num_layers} layers")
+
+
+def share_equal_modules(draft: VoxtralModel, target: VoxtralModel) -> bool:
+    """Reuse the target's embeddings / LM head / audio tower when the draft's are byte-identical (the public
+    pruned draft copies them); returns whether the draft needs its own audio encoder."""
+    lm_d, lm_t = draft.language_model, target.language_model
+    if tensors_digest(lm_d.embed_tokens) == tensors_digest(lm_t.embed_tokens):
+        lm_d.embed_tokens = lm_t.embed_tokens
+    if tensors_digest(draft.lm_head) == tensors_digest(target.lm_head):
+        draft.lm_head = target.lm_head
+    same_audio = (tensors_digest(draft.audio_tower) == tensors_digest(target.audio_tower)
+                  and tensors_digest(draft.multi_modal_projector) == tensors_digest(target.multi_modal_projector))
+    if same_audio:
+        draft.audio_tower, draft.multi_modal_projector = target.audio_tower, target.multi_modal_projector
+    return not same_audio
+
+
+def load_dflash(draft_dir: str | Path, target: VoxtralConfig, k: int, dtype: torch.dtype, max_len: int):
+    cfg = DFlashConfig.from_dir(draft_dir)
+    cfg.check_against(target.text, k)
+    raw = json.loads((Path(draft_dir) / "config.json").read_text())
+    if "sliding_attention" in (raw.get("layer_types") or []):
+        raise ConfigError(f"DFlash draft {draft_dir}: sliding-window layers are not supported")
+    if raw.get("attention_bias"):
+        raise ConfigError(f"DFlash draft {draft_dir}: attention_bias=true is not supported")
+    with torch.device("meta"):
+        draft = DFlashDraft(cfg, max_len)
+    sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in read_safetensors(draft_dir).items()}
+    sd = check_and_cast(sd, draft, dtype, str(draft_dir))
+    draft = draft.to_empty(device="cpu").to(dtype)
+    draft.load_state_dict(sd, strict=False)
+    draft.init_state()
+    return cfg, draft.eval()
