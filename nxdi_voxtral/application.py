@@ -116,20 +116,7 @@ class NxDVoxtralSpecDec:
         gen.check_capacity(input_ids.shape[-1], max_new_tokens + s.k + s.dflash_block, self.buckets)
         stats = SpecStats(s.draft_kind or "none", s.k)
         t0 = time.perf_counter()
-        nb, mel, ids, audio_positions, last_index = gen.prepare_prefill(input_ids, input_features, self.cfg,
-                                                                        self.buckets)
-        (audio_embeds,) = self.run("audio_encoder", nb, mel)
-        first, *prompt_features = self.run("context_encoding", nb, ids, audio_embeds, audio_positions, last_index)
-        first, position = int(first[0]), int(last_index[0]) + 1
-        drafter = None
-        if s.draft_kind == "layers":
-            drafter = LayerDrafter(self.run, self.buckets, s.k, stats, int(ids[0, position - 1]))
-            drafter.prefill(nb, ids, mel if s.draft_own_audio else audio_embeds, audio_positions)
-        elif s.draft_kind == "dflash":
-            drafter = DFlashDrafter(self.run, self.buckets, s.k, s.dflash_block, s.feature_dim, s.dtype, stats)
-            drafter.prefill(nb, prompt_features[0])
-        elif s.draft_kind == "ngram":
-            drafter = NgramDrafter(s.k)
+        first, position, drafter = self.prefill(input_ids, input_features, stats)
         t1 = time.perf_counter()
         eos = self.cfg.text.eos_token_id
         if drafter is None:
@@ -144,6 +131,25 @@ class NxDVoxtralSpecDec:
                            decode_tokens_per_s=(len(tokens) - 1) / (t2 - t1) if len(tokens) > 1 else 0.0)
         ids_out = torch.tensor([tokens], dtype=torch.long)
         return (ids_out, stats) if return_stats else ids_out
+
+    def prefill(self, input_ids: torch.Tensor, input_features: torch.Tensor, stats: SpecStats):
+        """Audio encoder + target prefill + the draft's own prefill -> (first token, its position, drafter)."""
+        s = self.setup
+        nb, mel, ids, audio_positions, last_index = gen.prepare_prefill(input_ids, input_features, self.cfg,
+                                                                        self.buckets)
+        (audio_embeds,) = self.run("audio_encoder", nb, mel)
+        first, *prompt_features = self.run("context_encoding", nb, ids, audio_embeds, audio_positions, last_index)
+        position = int(last_index[0]) + 1
+        drafter = None
+        if s.draft_kind == "layers":
+            drafter = LayerDrafter(self.run, self.buckets, s.k, stats, int(ids[0, position - 1]))
+            drafter.prefill(nb, ids, mel if s.draft_own_audio else audio_embeds, audio_positions)
+        elif s.draft_kind == "dflash":
+            drafter = DFlashDrafter(self.run, self.buckets, s.k, s.dflash_block, s.feature_dim, s.dtype, stats)
+            drafter.prefill(nb, prompt_features[0])
+        elif s.draft_kind == "ngram":
+            drafter = NgramDrafter(s.k)
+        return int(first[0]), position, drafter
 
     def prepare(self, audio, language: str | None = None, sampling_rate: int | None = None):
         samples = load_audio(audio, sampling_rate)
