@@ -44,8 +44,13 @@ def cache_root() -> Path:
 
 def cached_checkpoint(cfg, seed: int, std: float, name: str = "ckpt") -> Path:
     """Write a random checkpoint once into the cache (keyed by config, seed, std); atomic rename, safe to race."""
+    import inspect
+    from nxdi_voxtral import synthetic
     from nxdi_voxtral.synthetic import write_random_checkpoint
-    key = json.dumps({"cfg": asdict(cfg), "seed": seed, "std": std}, sort_keys=True)
+    # the writer's code is part of the key: a change to how weights are drawn or written rebuilds the cache
+    code = "".join(inspect.getsource(getattr(synthetic, f)) for f in
+                   ("random_state_dict", "write_checkpoint", "write_tokenizer", "hf_config_dict"))
+    key = json.dumps({"cfg": asdict(cfg), "seed": seed, "std": std, "code": code}, sort_keys=True)
     final = cache_root() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (final / "config.json").is_file() and any(final.glob("model*.safetensors")):
         return final
@@ -75,7 +80,18 @@ def test_audio(seconds: float = 30.0, sr: int = 16000, seed: int = 0) -> np.ndar
 # ---------------------------------------------------------------- measurement
 
 def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process so far, in MiB.
+
+    Linux: VmHWM of /proc/self/status, the high-water mark of this address space (reset by exec). Not
+    ru_maxrss: Linux carries ru_maxrss over fork + exec, so a child started by a parent that once held more
+    memory would report the parent's peak. Elsewhere: ru_maxrss (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r / (1024 * 1024) if sys.platform == "darwin" else r / 1024
 

@@ -13,7 +13,12 @@ import torch
 
 
 def greedy_verify_ref(candidates: torch.Tensor, logits: torch.Tensor, n_valid: torch.Tensor):
-    target = torch.argmax(logits, dim=-1).to(torch.int32)
+    return greedy_accept_ref(candidates, torch.argmax(logits, dim=-1).to(torch.int32), n_valid)
+
+
+def greedy_accept_ref(candidates: torch.Tensor, target: torch.Tensor, n_valid: torch.Tensor):
+    """The accept half, given the target's argmax tokens [B, K+1] (with TP, the argmax is combined across ranks
+    first: tp.vocab_greedy)."""
     k = candidates.shape[1] - 1
     real = torch.arange(k, dtype=torch.int32)[None, :] < n_valid[:, None]
     match = ((candidates[:, 1:] == target[:, :-1]) & real).to(torch.int32)

@@ -21,29 +21,42 @@ def main(argv=None) -> int:
     t.add_argument("--model", help="Voxtral HF checkpoint dir; omitted: the embedded synthetic demo model")
     t.add_argument("--language", default=None, help="ISO-639-1 code, e.g. en (optional)")
     t.add_argument("--max-new-tokens", type=int, default=256)
+    t.add_argument("--draft", help="draft checkpoint dir (layer draft or DFlash); demo: the demo's own draft")
+    t.add_argument("--draft-kind", choices=["layers", "dflash", "ngram"], default=None)
+    t.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                   help="proposals per target pass (default: layers 4, dflash block_size-1, ngram 3)")
     t.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     t.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from .application import NxDVoxtralSpecDec
-    from .synthetic import demo_model_dir
+    from .synthetic import demo_dirs
     try:
-        model_dir = args.model
+        model_dir, draft = args.model, args.draft
+        if draft is not None and args.draft_kind is None:
+            args.draft_kind = "layers"
         if model_dir is None:
-            model_dir = demo_model_dir()
+            demo = demo_dirs()
+            model_dir = demo["target"]
+            if draft is None and args.draft_kind in ("layers", "dflash"):
+                draft = demo[args.draft_kind]
             print(f"[demo] no --model given: synthetic demo weights — transcript is meaningless ({model_dir})",
                   file=sys.stderr)
-        m = NxDVoxtralSpecDec.from_pretrained(model_dir, dtype=DTYPES[args.dtype])
+        m = NxDVoxtralSpecDec.from_pretrained(model_dir, draft=draft, draft_kind=args.draft_kind,
+                                              num_speculative_tokens=args.num_speculative_tokens,
+                                              dtype=DTYPES[args.dtype])
         r = m.transcribe(args.audio, language=args.language, max_new_tokens=args.max_new_tokens)
     except VoxtralError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    stats = r.stats.summary()
     if args.json:
-        print(json.dumps({"text": r.text, "token_ids": r.token_ids, "timings": r.timings}))
+        print(json.dumps({"text": r.text, "token_ids": r.token_ids, "timings": r.timings, "stats": stats}))
     else:
         print(r.text)
-        print(", ".join(f"{k}={v:.4g}" for k, v in r.timings.items()), file=sys.stderr)
+        print("timings: " + ", ".join(f"{k}={v:.4g}" for k, v in r.timings.items()), file=sys.stderr)
+        print("stats: " + ", ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
     return 0
 
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import torch
 
 from . import generate as gen
-from .checkpoint import check_and_cast, convert_hf_to_neuron_state_dict, read_safetensors
+from .checkpoint import build_and_load, convert_hf_to_neuron_state_dict, read_safetensors
 from .config import VoxtralConfig
 from .contract import ContractViolation, check_distinct_signatures, signature
 from .drafts import check_layer_draft, load_dflash, share_equal_modules
 from .errors import CheckpointError, ConfigError
 from .graphs import DRAFT_KINDS, Buckets, GraphSetup, build_graph, example_inputs, graph_plan
 from .model import VoxtralModel
+from .tp import SINGLE
 from .processing import build_prompt, decode, load_audio, load_tokenizer
 from .speculative import DFlashDrafter, LayerDrafter, NgramDrafter, SpecStats
 
@@ -31,16 +32,13 @@ class Transcription:
     stats: SpecStats | None = None
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, buckets: Buckets) -> tuple[VoxtralConfig, VoxtralModel]:
+def load_model(model_dir: str | Path, dtype: torch.dtype, buckets: Buckets, tp: int = 1, rank: int = 0,
+               comm=None) -> tuple[VoxtralConfig, VoxtralModel]:
     cfg = VoxtralConfig.from_dir(model_dir)
     buckets.validate(cfg)
-    with torch.device("meta"):
-        model = VoxtralModel(cfg, max_len=buckets.kv_lengths[-1])
-    sd = check_and_cast(convert_hf_to_neuron_state_dict(read_safetensors(model_dir)), model, dtype, str(model_dir))
-    model = model.to_empty(device="cpu").to(dtype)
-    model.load_state_dict(sd, strict=False)  # strict on weights via check_and_cast; caches / rope are state
-    model.language_model.init_state()
-    return cfg, model.eval()
+    sd = convert_hf_to_neuron_state_dict(read_safetensors(model_dir))
+    factory = lambda tp_, rank_, comm_: VoxtralModel(cfg, buckets.kv_lengths[-1], tp_, rank_, comm_ or SINGLE)  # noqa
+    return cfg, build_and_load(factory, sd, dtype, str(model_dir), tp, rank, comm)
 
 
 class NxDVoxtralSpecDec:

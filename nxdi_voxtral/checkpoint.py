@@ -77,3 +77,19 @@ def check_and_cast(state_dict: dict[str, torch.Tensor], module: torch.nn.Module,
     if unused:
         log.warning("%s: ignoring %d tensors the model does not use (first: %s)", source, len(unused), unused[0])
     return out
+
+
+def build_and_load(factory, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, source: str,
+                   tp: int = 1, rank: int = 0, comm=None):
+    """factory(tp, rank, comm) builds the module. Checks the checkpoint against the whole (tp=1) module, takes this
+    rank's shards and assigns them without a second copy of the weights; caches and RoPE tables are then allocated."""
+    from .tp import shard_tensor
+    with torch.device("meta"):
+        whole = factory(1, 0, None)
+        local = whole if tp == 1 else factory(tp, rank, comm)
+    sd = check_and_cast(state_dict, whole, dtype, source)
+    if tp > 1:
+        sd = {k: shard_tensor(k, v, local.layout) for k, v in sd.items()}
+    local.load_state_dict(sd, strict=False, assign=True)
+    local.init_state("cpu", dtype)
+    return local.eval()

@@ -15,6 +15,7 @@ from torch import nn
 from .errors import CheckpointError, DraftMismatchError
 from .model import MLP, RMSNorm, apply_rope, attention, rope_tables
 from .config import TextConfig
+from .tp import SINGLE, Comm, Layout, RowLinear, layout
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,13 @@ class DFlashConfig:
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, lay: Layout, comm: Comm):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.n_heads, self.n_kv, self.head_dim = lay.heads, lay.kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, lay.heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = RowLinear(lay.heads * cfg.head_dim, cfg.hidden_size, bias=False, comm=comm)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -93,36 +94,37 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, lay: Layout, comm: Comm):
         super().__init__()
-        self.self_attn = DFlashAttention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = DFlashAttention(cfg, lay, comm)
+        self.mlp = MLP(cfg, lay, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DFlashDraft(nn.Module):
-    def __init__(self, cfg: DFlashConfig, max_len: int):
+    def __init__(self, cfg: DFlashConfig, max_len: int, tp: int = 1, rank: int = 0, comm: Comm = SINGLE):
         super().__init__()
         self.cfg = cfg
         t = cfg.text
+        self.layout = lay = layout(t, None, tp, rank)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * t.hidden_size, t.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(t) for _ in range(t.num_layers))
+        self.layers = nn.ModuleList(DFlashLayer(t, lay, comm) for _ in range(t.num_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.register_buffer("rope_cos", torch.empty(max_len + cfg.block_size, t.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_len + cfg.block_size, t.head_dim), persistent=False)
-        shape = (t.num_layers, 1, t.num_kv_heads, max_len, t.head_dim)
+        shape = (t.num_layers, 1, lay.kv_heads, max_len, t.head_dim)
         self.register_buffer("k_cache", torch.empty(shape), persistent=False)
         self.register_buffer("v_cache", torch.empty(shape), persistent=False)
-        self.init_state()
+        self.init_state(self.k_cache.device)
 
-    def init_state(self) -> None:
-        cos, sin = rope_tables(self.cfg.text.head_dim, self.cfg.text.rope_theta, self.rope_cos.shape[0])
-        self.rope_cos = cos.to(self.rope_cos.device)
-        self.rope_sin = sin.to(self.rope_sin.device)
-        self.k_cache.zero_()
-        self.v_cache.zero_()
+    def init_state(self, device="cpu", dtype=None) -> None:
+        self.rope_cos, self.rope_sin = (t.to(device) for t in rope_tables(self.cfg.text.head_dim,
+                                                                           self.cfg.text.rope_theta,
+                                                                           self.rope_cos.shape[0]))
+        self.k_cache = torch.zeros(self.k_cache.shape, dtype=dtype or self.k_cache.dtype, device=device)
+        self.v_cache = torch.zeros(self.v_cache.shape, dtype=dtype or self.v_cache.dtype, device=device)
 
     def rope(self, positions):
         pos = positions.long()

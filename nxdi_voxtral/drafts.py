@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import check_and_cast, read_safetensors
+from .checkpoint import build_and_load, read_safetensors
 from .config import VoxtralConfig
 from .dflash import DFlashConfig, DFlashDraft
 from .errors import CheckpointError, ConfigError, DraftMismatchError
 from .model import VoxtralModel
+from .tp import SINGLE
 
 
 def tensors_digest(module: torch.nn.Module) -> str:
@@ -56,7 +57,8 @@ def share_equal_modules(draft: VoxtralModel, target: VoxtralModel) -> bool:
     return not same_audio
 
 
-def load_dflash(draft_dir: str | Path, target: VoxtralConfig, k: int, dtype: torch.dtype, max_len: int):
+def load_dflash(draft_dir: str | Path, target: VoxtralConfig, k: int, dtype: torch.dtype, max_len: int, tp: int = 1,
+                rank: int = 0, comm=None):
     cfg = DFlashConfig.from_dir(draft_dir)
     cfg.check_against(target.text, k)
     raw = json.loads((Path(draft_dir) / "config.json").read_text())
@@ -64,11 +66,6 @@ def load_dflash(draft_dir: str | Path, target: VoxtralConfig, k: int, dtype: tor
         raise ConfigError(f"DFlash draft {draft_dir}: sliding-window layers are not supported")
     if raw.get("attention_bias"):
         raise ConfigError(f"DFlash draft {draft_dir}: attention_bias=true is not supported")
-    with torch.device("meta"):
-        draft = DFlashDraft(cfg, max_len)
     sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in read_safetensors(draft_dir).items()}
-    sd = check_and_cast(sd, draft, dtype, str(draft_dir))
-    draft = draft.to_empty(device="cpu").to(dtype)
-    draft.load_state_dict(sd, strict=False)
-    draft.init_state()
-    return cfg, draft.eval()
+    factory = lambda tp_, rank_, comm_: DFlashDraft(cfg, max_len, tp_, rank_, comm_ or SINGLE)  # noqa: E731
+    return cfg, build_and_load(factory, sd, dtype, str(draft_dir), tp, rank, comm)

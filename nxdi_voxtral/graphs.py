@@ -14,7 +14,7 @@ from torch import nn
 from .config import VoxtralConfig
 from .errors import AudioTooLongError, ConfigError
 from .model import VoxtralModel, causal_visible, cached_visible
-from kernels.verify_ref import greedy_verify_ref
+from kernels.verify_ref import greedy_accept_ref
 
 I32 = torch.int32
 
@@ -131,10 +131,6 @@ def example_inputs(spec: GraphSpec, setup: GraphSetup) -> tuple:
 
 # ---------------------------------------------------------------- graph modules
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    return torch.argmax(logits, dim=-1).to(I32)
-
-
 class AudioEncoderGraph(nn.Module):
     """(mel [n, n_mels, frames]) -> (audio_embeds [n * tokens_per_chunk, H],)"""
 
@@ -159,7 +155,7 @@ class ContextEncodingGraph(nn.Module):
         t = x.shape[1]
         h, captured = self.model.language_model(x, torch.arange(t, dtype=I32), None, causal_visible(t),
                                                 self.capture_layers)
-        first = greedy(self.model.lm_head(h.index_select(1, last_index.long()))[0])
+        first = self.model.greedy(h.index_select(1, last_index.long()))[0]
         return (first, torch.cat(captured, dim=-1)) if captured else (first,)
 
 
@@ -189,7 +185,7 @@ class TokenGenerationGraph(nn.Module):
     def forward(self, token, position, cache_mask):
         x = self.model.language_model.embed_tokens(token.long())
         h, _ = self.model.language_model(x, position, self.kv_len, cached_visible(position, cache_mask))
-        return (greedy(self.model.lm_head(h[0])),)
+        return (self.model.greedy(h[0]),)
 
 
 class VerifyGraph(nn.Module):
@@ -206,7 +202,7 @@ class VerifyGraph(nn.Module):
         pos = positions[0]
         h, captured = lm(lm.embed_tokens(candidates.long()), pos, self.kv_len, cached_visible(pos, cache_mask),
                          self.capture_layers)
-        target, accepted, bonus = greedy_verify_ref(candidates, self.model.lm_head(h), n_valid)
+        target, accepted, bonus = greedy_accept_ref(candidates, self.model.greedy(h), n_valid)
         out = (target, accepted, bonus)
         return out + (torch.cat(captured, dim=-1),) if captured else out
 
@@ -228,7 +224,7 @@ class DraftFusedKGraph(nn.Module):
         proposals = []
         for _ in range(self.k):
             h, _ = lm(x, pos, self.kv_len, cached_visible(pos, cache_mask, start))
-            nxt = greedy(self.draft.lm_head(h[:, -1]))
+            nxt = self.draft.greedy(h[:, -1])
             proposals.append(nxt)
             x = lm.embed_tokens(nxt.long())[:, None]
             pos = pos[-1:] + 1
@@ -263,7 +259,7 @@ class DFlashDraftGraph(nn.Module):
         block_ids = torch.cat([anchor, torch.full((1, b - 1), self.dflash.cfg.mask_token_id, dtype=I32)], dim=1)
         block = self.target.language_model.embed_tokens(block_ids.long())
         h = self.dflash.propose_hidden(block, anchor_position + torch.arange(b, dtype=I32), ctx_mask)
-        return (greedy(self.target.lm_head(h[:, 1:self.k + 1])),)
+        return (self.target.greedy(h[:, 1:self.k + 1]),)
 
 
 def build_graph(spec: GraphSpec, setup: GraphSetup, target: VoxtralModel, draft=None) -> nn.Module:

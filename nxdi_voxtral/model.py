@@ -5,44 +5,44 @@ loads with `load_state_dict(strict=True)`. Nothing here depends on transformers.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import AudioEncoderConfig, TextConfig, VoxtralConfig
+from .tp import SINGLE, Comm, Layout, RowLinear, VocabEmbedding, layout, vocab_greedy
 
 
 # ---------------------------------------------------------------- audio encoder
 
 class EncoderAttention(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, tp: int = 1, comm: Comm = SINGLE):
         super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim, bias=False)
-        self.v_proj = nn.Linear(dim, dim)
-        self.out_proj = nn.Linear(dim, dim)
+        self.heads, self.head_dim = heads // tp, dim // heads
+        local = dim // tp
+        self.q_proj = nn.Linear(dim, local)
+        self.k_proj = nn.Linear(dim, local, bias=False)
+        self.v_proj = nn.Linear(dim, local)
+        self.out_proj = RowLinear(local, dim, comm=comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
+        b, t, _ = x.shape
         # scale q before the product, as Whisper does: it changes rounding, and we compare against it
         q = (self.q_proj(x) * self.head_dim ** -0.5).view(b, t, self.heads, -1).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.heads, -1).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.heads, -1).transpose(1, 2)
-        probs = torch.softmax((q @ k.transpose(-1, -2)).float(), dim=-1).to(v.dtype)
-        return self.out_proj((probs @ v).transpose(1, 2).reshape(b, t, d))
+        out = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, cfg: AudioEncoderConfig):
+    def __init__(self, cfg: AudioEncoderConfig, tp: int = 1, comm: Comm = SINGLE):
         super().__init__()
         d = cfg.hidden_size
-        self.self_attn = EncoderAttention(d, cfg.num_heads)
+        self.self_attn = EncoderAttention(d, cfg.num_heads, tp, comm)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, d)
+        self.fc1 = nn.Linear(d, cfg.intermediate_size // tp)
+        self.fc2 = RowLinear(cfg.intermediate_size // tp, d, comm=comm)
         self.final_layer_norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,13 +53,13 @@ class EncoderLayer(nn.Module):
 class AudioEncoder(nn.Module):
     """mel [n_chunks, n_mels, 2*P] -> hidden [n_chunks, P, d] (P = max_source_positions)."""
 
-    def __init__(self, cfg: AudioEncoderConfig):
+    def __init__(self, cfg: AudioEncoderConfig, tp: int = 1, comm: Comm = SINGLE):
         super().__init__()
         d = cfg.hidden_size
         self.conv1 = nn.Conv1d(cfg.num_mel_bins, d, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
         self.embed_positions = nn.Embedding(cfg.max_source_positions, d)
-        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(EncoderLayer(cfg, tp, comm) for _ in range(cfg.num_layers))
         self.layer_norm = nn.LayerNorm(d)
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
@@ -72,10 +72,10 @@ class AudioEncoder(nn.Module):
 
 
 class Projector(nn.Module):
-    def __init__(self, audio_intermediate: int, hidden: int):
+    def __init__(self, audio_intermediate: int, hidden: int, tp: int = 1, comm: Comm = SINGLE):
         super().__init__()
-        self.linear_1 = nn.Linear(audio_intermediate, hidden, bias=False)
-        self.linear_2 = nn.Linear(hidden, hidden, bias=False)
+        self.linear_1 = nn.Linear(audio_intermediate, hidden // tp, bias=False)
+        self.linear_2 = RowLinear(hidden // tp, hidden, bias=False, comm=comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.gelu(self.linear_1(x)))
@@ -110,24 +110,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q [1, Hq, T, D]; k, v [1, Hkv, S, D]; visible [T, S] bool -> [1, T, Hq*D]. GQA without copying k/v."""
+    """q [1, Hq, T, D]; k, v [1, Hkv, S, D]; visible [T, S] bool -> [1, T, Hq*D]. GQA without repeating k/v."""
     _, hq, t, d = q.shape
-    hkv = k.shape[1]
-    q = q.view(1, hkv, hq // hkv, t, d)
-    scores = (q @ k.unsqueeze(2).transpose(-1, -2)).float() * d ** -0.5
-    scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
-    out = torch.softmax(scores, dim=-1).to(v.dtype) @ v.unsqueeze(2)
-    return out.view(1, hq, t, d).transpose(1, 2).reshape(1, t, hq * d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=hq != k.shape[1])
+    return out.transpose(1, 2).reshape(1, t, hq * d)
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, lay: Layout, comm: Comm = SINGLE):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.n_heads, self.n_kv, self.head_dim = lay.heads, lay.kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, lay.heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = RowLinear(lay.heads * cfg.head_dim, cfg.hidden_size, bias=False, comm=comm)
 
     def forward(self, x, cos, sin, write_pos, k_cache, v_cache, key_len, visible):
         """Writes this call's K/V into the caches at `write_pos` (in place), then attends.
@@ -147,21 +143,21 @@ class DecoderAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, lay: Layout, comm: Comm = SINGLE):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, lay.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, lay.intermediate, bias=False)
+        self.down_proj = RowLinear(lay.intermediate, cfg.hidden_size, bias=False, comm=comm)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, lay: Layout, comm: Comm = SINGLE):
         super().__init__()
-        self.self_attn = DecoderAttention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = DecoderAttention(cfg, lay, comm)
+        self.mlp = MLP(cfg, lay, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -173,26 +169,25 @@ class DecoderLayer(nn.Module):
 class LanguageModel(nn.Module):
     """Llama decoder body. The KV cache is a pair of buffers [layers, 1, n_kv, max_len, head_dim] updated by index."""
 
-    def __init__(self, cfg: TextConfig, max_len: int):
+    def __init__(self, cfg: TextConfig, max_len: int, lay: Layout, comm: Comm = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(lay.vocab_local, cfg.hidden_size, lay.rank * lay.vocab_local, comm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, lay, comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("rope_cos", torch.empty(max_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_len, cfg.head_dim), persistent=False)
-        shape = (cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim)
+        shape = (cfg.num_layers, 1, lay.kv_heads, max_len, cfg.head_dim)
         self.register_buffer("k_cache", torch.empty(shape), persistent=False)
         self.register_buffer("v_cache", torch.empty(shape), persistent=False)
-        self.init_state()
+        self.init_state(self.k_cache.device)
 
-    def init_state(self) -> None:
-        """(Re)compute the RoPE tables in float32 and zero the caches (after loading onto a real device)."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, self.max_len)
-        self.rope_cos = cos.to(self.rope_cos.device)
-        self.rope_sin = sin.to(self.rope_sin.device)
-        self.k_cache.zero_()
-        self.v_cache.zero_()
+    def init_state(self, device="cpu", dtype=None) -> None:
+        """(Re)allocate the RoPE tables (float32) and zeroed caches, e.g. after loading weights into a meta model."""
+        self.rope_cos, self.rope_sin = (t.to(device) for t in rope_tables(self.cfg.head_dim, self.cfg.rope_theta,
+                                                                           self.max_len))
+        self.k_cache = torch.zeros(self.k_cache.shape, dtype=dtype or self.k_cache.dtype, device=device)
+        self.v_cache = torch.zeros(self.v_cache.shape, dtype=dtype or self.v_cache.dtype, device=device)
 
     @property
     def max_len(self) -> int:
@@ -230,13 +225,25 @@ def cached_visible(positions: torch.Tensor, cache_mask: torch.Tensor, start=None
 
 
 class VoxtralModel(nn.Module):
-    def __init__(self, cfg: VoxtralConfig, max_len: int):
+    """tp / rank / comm: this rank's shard (tp.py); the default is the whole model on one rank."""
+
+    def __init__(self, cfg: VoxtralConfig, max_len: int, tp: int = 1, rank: int = 0, comm: Comm = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        self.audio_tower = AudioEncoder(cfg.audio)
-        self.multi_modal_projector = Projector(cfg.audio.intermediate_size, cfg.text.hidden_size)
-        self.language_model = LanguageModel(cfg.text, max_len)
-        self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+        self.cfg, self.comm = cfg, comm
+        self.layout = lay = layout(cfg.text, cfg.audio, tp, rank)
+        audio_tp = tp if lay.audio_sharded else 1
+        self.audio_tower = AudioEncoder(cfg.audio, audio_tp, comm)
+        self.multi_modal_projector = Projector(cfg.audio.intermediate_size, cfg.text.hidden_size, audio_tp, comm)
+        self.language_model = LanguageModel(cfg.text, max_len, lay, comm)
+        self.lm_head = nn.Linear(cfg.text.hidden_size, lay.vocab_local, bias=False)
+
+    def init_state(self, device="cpu", dtype=None) -> None:
+        self.language_model.init_state(device, dtype)
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens (int32) of final hidden states h [..., H]: argmax over the whole (sharded) vocabulary."""
+        lay = self.layout
+        return vocab_greedy(self.lm_head(h), lay.rank * lay.vocab_local, self.cfg.text.vocab_size, self.comm)
 
     def encode_audio(self, mel: torch.Tensor) -> torch.Tensor:
         """mel [n, n_mels, frames] -> audio embeddings [n * tokens_per_chunk, H]."""

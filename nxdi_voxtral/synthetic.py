@@ -113,23 +113,25 @@ def write_random_checkpoint(out_dir, cfg: VoxtralConfig | None = None, seed: int
     return write_checkpoint(out_dir, cfg, random_state_dict(cfg, seed, std), shards)
 
 
-def demo_model_dir() -> Path:
-    """The embedded demo model, built once per machine into the user cache (atomic rename, safe to race)."""
+def demo_dirs() -> dict[str, Path]:
+    """The embedded demo: a tiny random target (its layer 1 damped, so the 1-layer draft agrees often), its
+    pruned-layer draft and a random DFlash draft. Built once per machine into the user cache (atomic rename)."""
     root = Path(os.environ.get("NXDI_VOXTRAL_CACHE", Path.home() / ".cache" / "nxdi_voxtral"))
     cfg = VoxtralConfig(audio=TINY_AUDIO, text=TINY_TEXT)
     digest = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
-    tag = f"demo-seed{DEMO_SEED}-{digest}"
-    final = root / tag
-    if (final / "config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
-    write_random_checkpoint(tmp, cfg, seed=DEMO_SEED)
-    try:
-        tmp.rename(final)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    final = root / f"demo-v2-seed{DEMO_SEED}-{digest}"
+    if not (final / "target" / "config.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
+        sd = damp_dropped_layers(random_state_dict(cfg, DEMO_SEED), [0], 0.05)
+        write_checkpoint(tmp / "target", cfg, sd)
+        write_layer_draft(tmp / "target", tmp / "layers", [0])
+        write_random_dflash(tmp / "dflash", cfg, target_layer_ids=(0, 1), num_layers=1, seed=DEMO_SEED)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"target": final / "target", "layers": final / "layers", "dflash": final / "dflash"}
 
 
 def layer_draft_state_dict(target_sd: dict, keep_layers: list[int]) -> dict:

@@ -41,3 +41,15 @@ def test_cli_with_model_dir(tmp_path, tiny_dir):
     r = run_cli("transcribe", str(wav), "--model", str(tiny_dir), "--language", "en", "--max-new-tokens", "5",
                 env_cache=tmp_path)
     assert r.returncode == 0, r.stderr
+
+
+def test_demo_speculative_kinds_give_the_plain_transcript(tmp_path):
+    args = ["transcribe", "examples/chirp.wav", "--json", "--max-new-tokens", "24"]
+    plain = json.loads(run_cli(*args, env_cache=tmp_path).stdout)
+    for extra in (["--draft-kind", "layers", "-k", "3"], ["--draft-kind", "dflash"], ["--draft-kind", "ngram"]):
+        r = run_cli(*args, *extra, env_cache=tmp_path)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["token_ids"] == plain["token_ids"] and out["text"] == plain["text"]
+        assert out["stats"]["draft_kind"] == extra[1]
+    assert out["stats"]["draft_passes"] == 0  # n-gram runs on the host

@@ -1,0 +1,172 @@
+"""Tensor parallelism, the NxD way (DESIGN.md §3), written with plain torch.distributed.
+
+One sharding description (`shard_spec`) drives both backends: on CPU ranks are processes with gloo collectives;
+on Neuron the same description becomes NxD parallel layers / partition_dim attributes.
+  column-parallel (dim 0): q/k/v, gate/up, audio q/k/v/fc1, projector linear_1
+  row-parallel (dim 1) + all-reduce: o_proj, down_proj, audio out_proj/fc2, projector linear_2
+  vocab-parallel (dim 0, padded to a multiple of tp): embed_tokens, lm_head (argmax combined across ranks)
+  kv heads: split when tp <= n_kv, replicated (rank r holds head r // (tp / n_kv)) when tp > n_kv
+  everything else (norms, convs, positions, DFlash fc): replicated
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ConfigError
+
+
+class Comm:
+    """Single rank: collectives are identities."""
+    rank, size = 0, 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """-> [size, *x.shape]"""
+        return x.unsqueeze(0)
+
+
+class DistComm(Comm):
+    """torch.distributed process group (gloo on CPU)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, x):
+        x = x.contiguous().clone()
+        dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x):
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.stack(parts)
+
+
+SINGLE = Comm()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Per-rank sizes of one model for tp ranks."""
+    tp: int
+    rank: int
+    heads: int
+    kv_heads: int
+    kv_replicated: bool
+    intermediate: int
+    vocab_local: int
+    audio_sharded: bool
+    n_kv: int          # kv heads of the whole model
+    head_dim: int
+
+
+def layout(text, audio, tp: int, rank: int) -> Layout:
+    nh, nkv = text.num_heads, text.num_kv_heads
+    if nh % tp:
+        raise ConfigError(f"tp={tp} must divide the number of attention heads ({nh})")
+    if not (nkv % tp == 0 or tp % nkv == 0):
+        raise ConfigError(f"tp={tp} must divide or be a multiple of the number of kv heads ({nkv})")
+    if text.intermediate_size % tp:
+        raise ConfigError(f"tp={tp} must divide the MLP size ({text.intermediate_size})")
+    audio_sharded = audio is not None and tp > 1 and audio.num_heads % tp == 0 and audio.intermediate_size % tp == 0 \
+        and text.hidden_size % tp == 0
+    return Layout(tp, rank, nh // tp, max(nkv // tp, 1), tp > nkv, text.intermediate_size // tp,
+                  math.ceil(text.vocab_size / tp) if text.vocab_size else 0, audio_sharded, nkv, text.head_dim)
+
+
+_ROW = re.compile(r"(self_attn\.(o_proj|out_proj)|mlp\.down_proj|\.fc2|multi_modal_projector\.linear_2)\.weight$")
+_COLUMN = re.compile(r"(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj|\.fc1|multi_modal_projector\.linear_1)\.(weight|bias)$")
+_VOCAB = re.compile(r"(embed_tokens|lm_head)\.weight$")
+
+
+def shard_kind(name: str, lay: Layout) -> str:
+    """The sharding description: 'replicated' | 'column' | 'row' | 'vocab' | 'kv' for a parameter name.
+    (NxD: column -> ColumnParallelLinear(gather_output=False), row -> RowParallelLinear(input_is_parallel=True),
+    vocab -> ParallelEmbedding / vocab-parallel lm_head, kv -> column with GQA replication.)"""
+    if lay.tp == 1:
+        return "replicated"
+    audio = name.startswith(("audio_tower.", "multi_modal_projector."))
+    if audio and not lay.audio_sharded:
+        return "replicated"
+    if _ROW.search(name):
+        return "row"
+    if _VOCAB.search(name):
+        return "vocab"
+    if not audio and re.search(r"self_attn\.[kv]_proj\.weight$", name):
+        return "kv"
+    if _COLUMN.search(name):
+        return "column"
+    return "replicated"
+
+
+def shard_tensor(name: str, t: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """The rank's shard of the full tensor `name` (our module names)."""
+    kind = shard_kind(name, lay)
+    if kind == "row":
+        return t.chunk(lay.tp, 1)[lay.rank].clone()
+    if kind == "column":
+        return t.chunk(lay.tp, 0)[lay.rank].clone()
+    if kind == "vocab":
+        rows = lay.vocab_local * lay.tp
+        if rows > t.shape[0]:  # pad the vocabulary to a multiple of tp; padded logits are masked to -inf
+            t = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+        return t.chunk(lay.tp, 0)[lay.rank].clone()
+    if kind == "kv":
+        if lay.kv_replicated:
+            head = lay.rank // (lay.tp // lay.n_kv)
+            return t[head * lay.head_dim:(head + 1) * lay.head_dim].clone()
+        return t.chunk(lay.tp, 0)[lay.rank].clone()
+    return t
+
+
+class RowLinear(nn.Linear):
+    """Row-parallel linear: partial products all-reduced, the bias added once after the reduction."""
+
+    def __init__(self, in_features, out_features, bias=True, comm: Comm = SINGLE):
+        super().__init__(in_features, out_features, bias=bias)
+        self.comm = comm
+
+    def forward(self, x):
+        if self.comm.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.comm.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabEmbedding(nn.Embedding):
+    """Vocab-parallel embedding: ids outside this rank's range contribute zeros; all-reduce."""
+
+    def __init__(self, num_local, dim, start: int = 0, comm: Comm = SINGLE):
+        super().__init__(num_local, dim)
+        self.start, self.comm = start, comm
+
+    def forward(self, ids):
+        if self.comm.size == 1:
+            return super().forward(ids)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        emb = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return self.comm.all_reduce(emb * inside.unsqueeze(-1).to(emb.dtype))
+
+
+def vocab_greedy(logits: torch.Tensor, start: int, vocab_size: int, comm: Comm) -> torch.Tensor:
+    """Global argmax (first index on ties, as torch.argmax) of vocab-sharded logits [..., V_local] -> int32."""
+    if comm.size == 1:
+        return torch.argmax(logits, dim=-1).to(torch.int32)
+    n_local = logits.shape[-1]
+    valid = (start + torch.arange(n_local)) < vocab_size
+    logits = torch.where(valid, logits, torch.full_like(logits, float("-inf")))
+    idx = torch.argmax(logits, dim=-1, keepdim=True)
+    best = torch.gather(logits, -1, idx)[..., 0]
+    all_best, all_idx = comm.all_gather(best), comm.all_gather(idx[..., 0] + start)
+    winner = torch.argmax(all_best, dim=0, keepdim=True)  # lowest rank among equal maxima = lowest global id
+    return torch.gather(all_idx, 0, winner)[0].to(torch.int32)
