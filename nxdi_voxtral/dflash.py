@@ -15,7 +15,7 @@ from torch import nn
 from .errors import CheckpointError, DraftMismatchError
 from .model import MLP, RMSNorm, apply_rope, attention, rope_tables
 from .config import TextConfig
-from .tp import SINGLE, Comm, Layout, RowLinear, layout
+from .tp import SINGLE, Comm, Layout, Linear, RowLinear, layout
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,9 @@ class DFlashAttention(nn.Module):
     def __init__(self, cfg: TextConfig, lay: Layout, comm: Comm):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = lay.heads, lay.kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, lay.heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, lay.heads * cfg.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
         self.o_proj = RowLinear(lay.heads * cfg.head_dim, cfg.hidden_size, bias=False, comm=comm)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

@@ -23,7 +23,7 @@ I32 = torch.int32
 class Buckets:
     audio_chunks: tuple[int, ...] = (1, 2, 4, 10)            # 30 s chunks: up to 5 minutes
     kv_lengths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
-    text_slack: int = 64  # prompt tokens that are not audio: [BOS][INST][BEGIN_AUDIO] ... [/INST] lang:xx [TRANSCRIBE]
+    text_slack: int = 16  # prompt tokens that are not audio: [BOS][INST][BEGIN_AUDIO] ... [/INST] lang:xx [TRANSCRIBE]
 
     def __post_init__(self):
         if not self.audio_chunks or list(self.audio_chunks) != sorted(set(self.audio_chunks)):

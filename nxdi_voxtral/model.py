@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import AudioEncoderConfig, TextConfig, VoxtralConfig
-from .tp import SINGLE, Comm, Layout, RowLinear, VocabEmbedding, layout, vocab_greedy
+from .tp import SINGLE, Comm, Layout, Linear, RowLinear, VocabEmbedding, layout, vocab_greedy
 
 
 # ---------------------------------------------------------------- audio encoder
@@ -120,9 +120,9 @@ class DecoderAttention(nn.Module):
     def __init__(self, cfg: TextConfig, lay: Layout, comm: Comm = SINGLE):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = lay.heads, lay.kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, lay.heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, lay.heads * cfg.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
         self.o_proj = RowLinear(lay.heads * cfg.head_dim, cfg.hidden_size, bias=False, comm=comm)
 
     def forward(self, x, cos, sin, write_pos, k_cache, v_cache, key_len, visible):
@@ -145,8 +145,8 @@ class DecoderAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: TextConfig, lay: Layout, comm: Comm = SINGLE):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, lay.intermediate, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, lay.intermediate, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, lay.intermediate, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, lay.intermediate, bias=False)
         self.down_proj = RowLinear(lay.intermediate, cfg.hidden_size, bias=False, comm=comm)
 
     def forward(self, x):
@@ -235,7 +235,7 @@ class VoxtralModel(nn.Module):
         self.audio_tower = AudioEncoder(cfg.audio, audio_tp, comm)
         self.multi_modal_projector = Projector(cfg.audio.intermediate_size, cfg.text.hidden_size, audio_tp, comm)
         self.language_model = LanguageModel(cfg.text, max_len, lay, comm)
-        self.lm_head = nn.Linear(cfg.text.hidden_size, lay.vocab_local, bias=False)
+        self.lm_head = Linear(cfg.text.hidden_size, lay.vocab_local, bias=False)
 
     def init_state(self, device="cpu", dtype=None) -> None:
         self.language_model.init_state(device, dtype)
