@@ -94,36 +94,31 @@ def call_costs(m, position: int) -> dict:
     return costs
 
 
-def bench_ours() -> dict:
+CONFIGS = [("plain", None)] + [("layers", k) for k in (2, 4, 8)] + [("ngram", 4), ("dflash", None)]
+
+
+def bench_ours(kind: str, k: int | None) -> dict:
+    """One configuration, in its own process: its peak RSS is its own."""
     from nxdi_voxtral import Buckets, NxDVoxtralSpecDec
     dirs = checkpoints()
     buckets = Buckets(audio_chunks=(1,), kv_lengths=(512,))
-    rows = []
-    plain = NxDVoxtralSpecDec.from_pretrained(dirs["target"], buckets=buckets)
-    p = prompt(plain)
-    configs = [("plain", None, None)] + [("layers", "layers", k) for k in (2, 4, 8)] + \
-              [("ngram", None, 4), ("dflash", "dflash", None)]
-    ref = None
-    for kind, draft, k in configs:
-        m = plain if kind == "plain" else NxDVoxtralSpecDec.from_pretrained(
-            dirs["target"], draft=dirs.get(draft), draft_kind=kind, num_speculative_tokens=k, buckets=buckets)
-        m.generate(p.input_ids, p.input_features, max_new_tokens=8)  # warm-up
-        runs = []
-        for _ in range(RUNS):
-            t = {}
-            ids, stats = m.generate(p.input_ids, p.input_features, max_new_tokens=N_NEW, timings=t, return_stats=True)
-            runs.append((ids[0].tolist(), stats, t))
-        tokens, stats = runs[-1][0], runs[-1][1]
-        ref = ref or tokens
-        assert tokens == ref, f"{kind} K={k}: output differs from plain greedy"
-        n = len(tokens)
-        ms_tok = 1e3 * median(r[2]["decode_s"] / (n - 1) for r in runs)
-        costs = call_costs(m, p.input_ids.shape[1] + 48)
-        rows.append(dict(kind=kind, k=m.setup.k, tau=stats.tau if kind != "plain" else 1.0,
-                         verify_calls=stats.verify_calls, plain_steps=len(stats.steps) - stats.verify_calls,
-                         passes_per_token=(stats.target_passes - 1) / (n - 1), ms_per_token=ms_tok, costs=costs,
-                         tokens=n, distinct=len(set(tokens))))
-    return {"rows": rows, "tokens": ref, "peak_rss_mib": peak_rss_mib()}
+    m = NxDVoxtralSpecDec.from_pretrained(dirs["target"], draft=dirs.get(kind), num_speculative_tokens=k,
+                                          draft_kind=None if kind == "plain" else kind, buckets=buckets)
+    p = prompt(m)
+    m.generate(p.input_ids, p.input_features, max_new_tokens=8)  # warm-up
+    runs = []
+    for _ in range(RUNS):
+        t = {}
+        ids, stats = m.generate(p.input_ids, p.input_features, max_new_tokens=N_NEW, timings=t, return_stats=True)
+        runs.append((ids[0].tolist(), stats, t))
+    tokens, stats = runs[-1][0], runs[-1][1]
+    n = len(tokens)
+    return dict(kind=kind, k=m.setup.k, tau=stats.tau if kind != "plain" else 1.0, tokens_list=tokens,
+                verify_calls=stats.verify_calls, plain_steps=len(stats.steps) - stats.verify_calls,
+                passes_per_token=(stats.target_passes - 1) / (n - 1),
+                ms_per_token=1e3 * median(r[2]["decode_s"] / (n - 1) for r in runs),
+                costs=call_costs(m, p.input_ids.shape[1] + 48), tokens=n, distinct=len(set(tokens)),
+                peak_rss_mib=peak_rss_mib())
 
 
 def bench_hf(k: int) -> dict:
@@ -157,20 +152,23 @@ def bench_hf(k: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=["ours", "hf"], default=None)
-    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--kind", default="plain")
+    ap.add_argument("-k", type=int, default=None)
     args = ap.parse_args()
     if args.impl == "ours":
-        print(json.dumps(bench_ours()))
+        print(json.dumps(bench_ours(args.kind, args.k)))
         return
     if args.impl == "hf":
         print(json.dumps(bench_hf(args.k)))
         return
     checkpoints()
-    ours = run_json_subprocess(MODULE, ["--impl", "ours"])
+    ours = [run_json_subprocess(MODULE, ["--impl", "ours", "--kind", kind] + (["-k", str(k)] if k else []))
+            for kind, k in CONFIGS]
     hf = run_json_subprocess(MODULE, ["--impl", "hf", "-k", "4"])
-    plain = ours["rows"][0]
+    plain = ours[0]
+    assert all(r["tokens_list"] == plain["tokens_list"] for r in ours), "a draft changed the output"
     rows = []
-    for r in ours["rows"]:
+    for r in ours:
         c = r["costs"]
         # predicted decode time from per-call costs: verify steps cost verify + draft, n-gram misses one decode
         if "verify" in c:
@@ -181,18 +179,18 @@ def main() -> None:
         speedup = plain["ms_per_token"] / r["ms_per_token"]
         rows.append([r["kind"], r["k"] if r["kind"] != "plain" else "-", r["tau"] if r["verify_calls"] else "-",
                      r["passes_per_token"], 1 / r["tau"] if r["tau"] else "-", r["ms_per_token"], speedup, c["decode"], c.get("verify", "-"), c.get("draft", "-"),
-                     analytical, speedup / analytical])
+                     analytical, speedup / analytical, r["peak_rss_mib"]])
     print(f"torch threads: {torch.get_num_threads()}; {plain['tokens']} tokens "
           f"({plain['distinct']} distinct); identical output for every row: yes")
     print(markdown_table(["draft", "K", "tau", "passes/tok", "1/tau", "ms/tok", "speed-up", "decode ms",
-                          "verify ms", "draft ms", "analytical", "loop eff."], rows))
-    same = hf["tokens"] == ours["tokens"]
-    layer4 = next(r for r in ours["rows"] if r["kind"] == "layers" and r["k"] == 4)
+                          "verify ms", "draft ms", "analytical", "loop eff.", "peak RSS MiB"], rows))
+    same = hf["tokens"] == plain["tokens_list"]
+    layer4 = next(r for r in ours if r["kind"] == "layers" and r["k"] == 4)
     print()
     print(markdown_table(
         ["implementation (layer draft, K=4)", "ms/tok", "vs transformers assisted", "same tokens", "peak RSS MiB"],
         [["ours (verify graph + fused-K draft)", layer4["ms_per_token"],
-          hf["assisted_ms_per_token"] / layer4["ms_per_token"], "yes", ours["peak_rss_mib"]],
+          hf["assisted_ms_per_token"] / layer4["ms_per_token"], "yes", layer4["peak_rss_mib"]],
          ["transformers generate(assistant_model=...)", hf["assisted_ms_per_token"], 1.0, "yes" if same else "NO",
           hf["peak_rss_mib"]],
          ["transformers greedy (reference)", hf["greedy_ms_per_token"], hf["assisted_ms_per_token"] /
