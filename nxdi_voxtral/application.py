@@ -9,19 +9,17 @@ from pathlib import Path
 import torch
 
 from . import generate as gen
-from .checkpoint import build_and_load, convert_hf_to_neuron_state_dict, read_safetensors
 from .config import VoxtralConfig
 from .contract import ContractViolation, check_distinct_signatures, signature
-from .drafts import check_layer_draft, load_dflash, share_equal_modules
+from .engine import Engine, build_engine, check_request
 from .errors import CheckpointError, ConfigError
-from .graphs import DRAFT_KINDS, Buckets, GraphSetup, build_graph, example_inputs, graph_plan
-from .model import VoxtralModel
-from .tp import SINGLE
+from .graphs import Buckets, GraphSetup, example_inputs, graph_plan
+from .tp import layout
+from .workers import RankWorkers
 from .processing import build_prompt, decode, load_audio, load_tokenizer
 from .speculative import DFlashDrafter, LayerDrafter, NgramDrafter, SpecStats
 
 log = logging.getLogger(__name__)
-DEFAULT_K = {"layers": 4, "ngram": 3}
 
 
 @dataclass
@@ -32,67 +30,53 @@ class Transcription:
     stats: SpecStats | None = None
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, buckets: Buckets, tp: int = 1, rank: int = 0,
-               comm=None) -> tuple[VoxtralConfig, VoxtralModel]:
-    cfg = VoxtralConfig.from_dir(model_dir)
-    buckets.validate(cfg)
-    sd = convert_hf_to_neuron_state_dict(read_safetensors(model_dir))
-    factory = lambda tp_, rank_, comm_: VoxtralModel(cfg, buckets.kv_lengths[-1], tp_, rank_, comm_ or SINGLE)  # noqa
-    return cfg, build_and_load(factory, sd, dtype, str(model_dir), tp, rank, comm)
-
-
 class NxDVoxtralSpecDec:
-    """Voxtral transcription over fixed-shape graphs, optionally with a draft. Graphs run eagerly on CPU."""
+    """Voxtral transcription over fixed-shape graphs, optionally with a draft and tensor parallelism.
 
-    def __init__(self, cfg: VoxtralConfig, model: VoxtralModel, tokenizer, setup: GraphSetup, draft=None,
+    The host loop (prefill, decode, speculation) runs here; graphs run in `self.engine` (one rank, this process)
+    or in rank worker processes (tp_degree > 1), through the same `run(tag, bucket, *inputs)`."""
+
+    def __init__(self, tokenizer, setup: GraphSetup, engine: Engine | None = None, workers: RankWorkers | None = None,
                  model_dir=None):
-        self.cfg, self.model, self.tokenizer, self.setup, self.draft = cfg, model, tokenizer, setup, draft
-        self.buckets, self.model_dir = setup.buckets, model_dir
-        plan = graph_plan(setup)
-        self.graphs = {(s.tag, s.bucket): build_graph(s, setup, model, draft) for s in plan}
-        self.signatures = {(s.tag, s.bucket): signature(example_inputs(s, setup)) for s in plan}
+        self.tokenizer, self.setup, self.engine, self.workers = tokenizer, setup, engine, workers
+        self.cfg, self.buckets, self.model_dir = setup.cfg, setup.buckets, model_dir
+        self.model = engine.model if engine else None
+        self.draft = engine.draft if engine else None
+        self.signatures = {(s.tag, s.bucket): signature(example_inputs(s, setup)) for s in graph_plan(setup)}
         check_distinct_signatures(self.signatures)
 
     @classmethod
     def from_pretrained(cls, model_dir, draft=None, draft_kind: str | None = None,
                         num_speculative_tokens: int | None = None, dtype: torch.dtype = torch.float32,
-                        buckets: Buckets | None = None):
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ConfigError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-        if draft is not None and draft_kind is None:
-            draft_kind = "layers"
-        if draft_kind is not None and draft_kind not in DRAFT_KINDS:
-            raise ConfigError(f"draft_kind must be one of {DRAFT_KINDS}, got {draft_kind!r}")
-        if draft_kind in ("layers", "dflash") and draft is None:
-            raise ConfigError(f"draft_kind={draft_kind!r} needs a draft checkpoint directory (draft=...)")
-        buckets = buckets or Buckets()
-        cfg, model = load_model(model_dir, dtype, buckets)
+                        buckets: Buckets | None = None, tp_degree: int = 1):
+        draft_kind = check_request(draft, draft_kind, dtype)
+        cfg = VoxtralConfig.from_dir(model_dir)
         tokenizer = load_tokenizer(model_dir)
         n_words = tokenizer.instruct_tokenizer.tokenizer.n_words
         if n_words > cfg.text.vocab_size:
             raise CheckpointError(f"{model_dir}: tokenizer has {n_words} tokens but the model's vocabulary is "
                                   f"{cfg.text.vocab_size}")
-        k = num_speculative_tokens
-        setup = GraphSetup(cfg, buckets, dtype)
-        draft_model = None
-        if draft_kind == "layers":
-            k = DEFAULT_K["layers"] if k is None else k
-            draft_cfg = VoxtralConfig.from_dir(draft)
-            check_layer_draft(Path(draft), Path(model_dir), draft_cfg, cfg)
-            _, draft_model = load_model(draft, dtype, buckets)
-            own_audio = share_equal_modules(draft_model, model)
-            setup = GraphSetup(cfg, buckets, dtype, "layers", k, draft_own_audio=own_audio)
-        elif draft_kind == "dflash":
-            dcfg, draft_model = load_dflash(draft, cfg, k or 1, dtype, buckets.kv_lengths[-1])
-            k = dcfg.block_size - 1 if k is None else k
-            setup = GraphSetup(cfg, buckets, dtype, "dflash", k, capture_layers=dcfg.target_layer_ids,
-                               dflash_block=dcfg.block_size)
-        elif draft_kind == "ngram":
-            k = DEFAULT_K["ngram"] if k is None else k
-            setup = GraphSetup(cfg, buckets, dtype, "ngram", k)
-        if draft_kind is not None and (not isinstance(k, int) or k < 1):
-            raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
-        return cls(cfg, model, tokenizer, setup, draft_model, model_dir)
+        if not isinstance(tp_degree, int) or tp_degree < 1:
+            raise ConfigError(f"tp_degree must be a positive integer, got {tp_degree!r}")
+        kwargs = dict(model_dir=model_dir, draft=draft, draft_kind=draft_kind, k=num_speculative_tokens,
+                      dtype=dtype, buckets=buckets or Buckets())
+        if tp_degree == 1:
+            engine = build_engine(**kwargs)
+            return cls(tokenizer, engine.setup, engine=engine, model_dir=model_dir)
+        layout(cfg.text, cfg.audio, tp_degree, 0)  # tp that does not divide the heads: fail before spawning
+        workers = RankWorkers(tp_degree, kwargs)
+        return cls(tokenizer, workers.setup, workers=workers, model_dir=model_dir)
+
+    def close(self) -> None:
+        """Stop the rank worker processes (tp_degree > 1); also done at garbage collection and interpreter exit."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     @property
     def draft_kind(self) -> str | None:
@@ -103,8 +87,9 @@ class NxDVoxtralSpecDec:
         if signature(inputs) != self.signatures[(tag, bucket)]:
             raise ContractViolation(f"{tag}[{bucket}] called with shapes {signature(inputs)}, "
                                     f"compiled for {self.signatures[(tag, bucket)]}")
-        with torch.inference_mode():
-            return self.graphs[(tag, bucket)](*inputs)
+        if self.workers is not None:
+            return self.workers.run(tag, bucket, *inputs)
+        return self.engine.run(tag, bucket, *inputs)
 
     def generate(self, input_ids: torch.Tensor, input_features: torch.Tensor, max_new_tokens: int = 128,
                  timings: dict | None = None, return_stats: bool = False):

@@ -11,16 +11,7 @@ from .checkpoint import build_and_load, read_safetensors
 from .config import VoxtralConfig
 from .dflash import DFlashConfig, DFlashDraft
 from .errors import CheckpointError, ConfigError, DraftMismatchError
-from .model import VoxtralModel
 from .tp import SINGLE
-
-
-def tensors_digest(module: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def file_digest(path: Path) -> str:
@@ -42,25 +33,10 @@ def check_layer_draft(draft_dir: Path, target_dir: Path, draft: VoxtralConfig, t
                               f"{draft.text.num_layers} layers")
 
 
-def share_equal_modules(draft: VoxtralModel, target: VoxtralModel) -> bool:
-    """Reuse the target's embeddings / LM head / audio tower when the draft's are byte-identical (the public
-    pruned draft copies them); returns whether the draft needs its own audio encoder."""
-    lm_d, lm_t = draft.language_model, target.language_model
-    if tensors_digest(lm_d.embed_tokens) == tensors_digest(lm_t.embed_tokens):
-        lm_d.embed_tokens = lm_t.embed_tokens
-    if tensors_digest(draft.lm_head) == tensors_digest(target.lm_head):
-        draft.lm_head = target.lm_head
-    same_audio = (tensors_digest(draft.audio_tower) == tensors_digest(target.audio_tower)
-                  and tensors_digest(draft.multi_modal_projector) == tensors_digest(target.multi_modal_projector))
-    if same_audio:
-        draft.audio_tower, draft.multi_modal_projector = target.audio_tower, target.multi_modal_projector
-    return not same_audio
-
-
 def load_dflash(draft_dir: str | Path, target: VoxtralConfig, k: int, dtype: torch.dtype, max_len: int, tp: int = 1,
                 rank: int = 0, comm=None):
     cfg = DFlashConfig.from_dir(draft_dir)
-    cfg.check_against(target.text, k)
+    cfg.check_against(target.text, cfg.block_size - 1 if k is None else k)
     raw = json.loads((Path(draft_dir) / "config.json").read_text())
     if "sliding_attention" in (raw.get("layer_types") or []):
         raise ConfigError(f"DFlash draft {draft_dir}: sliding-window layers are not supported")

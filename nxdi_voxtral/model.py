@@ -231,9 +231,9 @@ class VoxtralModel(nn.Module):
         super().__init__()
         self.cfg, self.comm = cfg, comm
         self.layout = lay = layout(cfg.text, cfg.audio, tp, rank)
-        audio_tp = tp if lay.audio_sharded else 1
-        self.audio_tower = AudioEncoder(cfg.audio, audio_tp, comm)
-        self.multi_modal_projector = Projector(cfg.audio.intermediate_size, cfg.text.hidden_size, audio_tp, comm)
+        audio_tp, audio_comm = (tp, comm) if lay.audio_sharded else (1, SINGLE)  # replicated: no reductions
+        self.audio_tower = AudioEncoder(cfg.audio, audio_tp, audio_comm)
+        self.multi_modal_projector = Projector(cfg.audio.intermediate_size, cfg.text.hidden_size, audio_tp, audio_comm)
         self.language_model = LanguageModel(cfg.text, max_len, lay, comm)
         self.lm_head = Linear(cfg.text.hidden_size, lay.vocab_local, bias=False)
 
