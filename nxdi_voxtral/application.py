@@ -67,6 +67,30 @@ class NxDVoxtralSpecDec:
         workers = RankWorkers(tp_degree, kwargs)
         return cls(tokenizer, workers.setup, workers=workers, model_dir=model_dir)
 
+    @classmethod
+    def from_artifacts(cls, art_dir, tp_degree: int | None = None, verify_hashes: bool = True):
+        """Load what `python -m compile.build` wrote; generates exactly what from_pretrained generates.
+        The manifest is verified first (files, sizes, sha256, weights, backend / torch / TP of this host)."""
+        from .manifest import check_host, verify
+        art_dir = Path(art_dir)
+        manifest = verify(art_dir, deep=verify_hashes)
+        check_host(manifest, tp_degree)
+        w = manifest["weights"]
+        where = lambda role: str(art_dir / w[role]["dir"]) if w[role]["packed"] else w[role]["dir"]  # noqa: E731
+        b = manifest["buckets"]
+        dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16}[manifest["dtype"]]
+        m = cls.from_pretrained(where("target"), draft=where("draft") if "draft" in w else None,
+                                draft_kind=manifest["draft_kind"], dtype=dtype,
+                                num_speculative_tokens=manifest["k"] if manifest["draft_kind"] else None,
+                                buckets=Buckets(tuple(b["audio_chunks"]), tuple(b["kv_lengths"]), b["text_slack"]),
+                                tp_degree=manifest["tp"])
+        graphs_dir = str(art_dir / "graphs")
+        if m.workers is not None:
+            m.workers.call("load_programs", graphs_dir, manifest["graphs"])
+        else:
+            m.engine.load_programs(graphs_dir, manifest["graphs"], rank=0)
+        return m
+
     def close(self) -> None:
         """Stop the rank worker processes (tp_degree > 1); also done at garbage collection and interpreter exit."""
         if self.workers is not None:

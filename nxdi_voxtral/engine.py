@@ -1,6 +1,7 @@
 """One rank's graphs: load the target (and draft) shards, build every (tag, bucket) graph module."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,11 +11,15 @@ from .checkpoint import build_and_load, convert_hf_to_neuron_state_dict, read_sa
 from .config import VoxtralConfig
 from .drafts import check_layer_draft, load_dflash
 from .errors import ConfigError
-from .graphs import DRAFT_KINDS, Buckets, GraphSetup, build_graph, graph_plan
+from .contract import ContractViolation, check_graph_call
+from .export import Program, export_graph
+from .graphs import DRAFT_KINDS, Buckets, GraphSetup, build_graph, example_inputs, graph_plan
 from .model import VoxtralModel
 from .tp import SINGLE
 
 DEFAULT_K = {"layers": 4, "ngram": 3}
+KV_WRITERS = {"context_encoding", "token_generation", "verify", "draft_context_encoding", "draft_fused_k",
+              "dflash_context", "dflash_draft"}
 
 
 @dataclass
@@ -27,6 +32,55 @@ class Engine:
     def run(self, tag: str, bucket: int, *inputs):
         with torch.inference_mode():
             return self.graphs[(tag, bucket)](*inputs)
+
+    def caches(self) -> dict[str, torch.Tensor]:
+        mods = {"target": self.model.language_model}
+        if self.draft is not None:
+            mods["draft"] = getattr(self.draft, "language_model", self.draft)
+        return {f"{who}.{n}": getattr(m, n) for who, m in mods.items() for n in ("k_cache", "v_cache")}
+
+    def check_contract(self, spec) -> None:
+        """DESIGN.md §2 on one graph: no banned op / host sync / int64 at the boundary (contract.check_graph_call),
+        and KV caches written in place (same storage, new contents) by exactly the graphs that own a cache."""
+        name = f"{spec.tag}[{spec.bucket}]"
+        g = torch.Generator().manual_seed(0)
+        inputs = tuple(torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t
+                       for t in example_inputs(spec, self.setup))
+        for c in self.caches().values():
+            c.zero_()  # any write of real K/V is then visible
+        before = {k: (v.data_ptr(), v.clone()) for k, v in self.caches().items()}
+        check_graph_call(name, self.graphs[(spec.tag, spec.bucket)], inputs)
+        after = self.caches()
+        if any(after[k].data_ptr() != ptr for k, (ptr, _) in before.items()):
+            raise ContractViolation(f"{name}: a KV cache was replaced instead of updated in place")
+        changed = any(not torch.equal(after[k], old) for k, (_, old) in before.items())
+        if changed != (spec.tag in KV_WRITERS):
+            raise ContractViolation(f"{name}: {'writes' if changed else 'does not write'} a KV cache, "
+                                    f"{'expected to' if spec.tag in KV_WRITERS else 'expected not to'}")
+
+    def export(self, out_dir: str, rank: int) -> list[dict]:
+        """Check and export every graph of this rank (CPU backend artifacts). Rank 0 prints progress."""
+        out = []
+        for spec in graph_plan(self.setup):
+            t0 = time.perf_counter()
+            self.check_contract(spec)
+            path = Path(out_dir) / f"{spec.tag}.{spec.bucket}.rank{rank}.pt2"
+            names = export_graph(f"{spec.tag}[{spec.bucket}]", self.graphs[(spec.tag, spec.bucket)],
+                                 example_inputs(spec, self.setup), path)
+            out.append(dict(tag=spec.tag, bucket=spec.bucket, file=path.name, state_names=names,
+                            seconds=time.perf_counter() - t0))
+            if rank == 0:
+                print(f"  {spec.tag:<24} {spec.bucket:>6}  {out[-1]['seconds']:6.2f} s", flush=True)
+        for c in self.caches().values():
+            c.zero_()
+        return out
+
+    def load_programs(self, art_dir: str, graphs: list[dict], rank: int) -> None:
+        """Run the exported programs instead of the eager modules (same weights and caches)."""
+        for g in graphs:
+            key = (g["tag"], g["bucket"])
+            self.graphs[key] = Program(Path(art_dir) / g["file"].replace("rank0", f"rank{rank}"), self.graphs[key],
+                                       g["state_names"])
 
 
 def load_voxtral(model_dir, sd: dict, cfg: VoxtralConfig, dtype, buckets: Buckets, tp=1, rank=0, comm=None):

@@ -161,7 +161,8 @@ class ContextEncodingGraph(nn.Module):
 
 class DraftContextEncodingGraph(nn.Module):
     """Layer-draft prefill: (input_ids [1, P], audio_embeds [A, H] or mel [n, n_mels, frames], audio_positions [A])
-    -> ()   writes the draft's KV so its cache holds the audio context."""
+    -> (rows_written [1],)   writes the draft's KV so its cache holds the audio context. (A graph needs at least
+    one output to be serialized; the row count is the cheapest honest one.)"""
 
     def __init__(self, draft: VoxtralModel, own_audio: bool):
         super().__init__()
@@ -172,7 +173,7 @@ class DraftContextEncodingGraph(nn.Module):
         x = self.draft.embed_with_audio(input_ids, embeds, audio_positions)
         t = x.shape[1]
         self.draft.language_model(x, torch.arange(t, dtype=I32), None, causal_visible(t))
-        return ()
+        return (torch.full((1,), t, dtype=I32),)
 
 
 class TokenGenerationGraph(nn.Module):
@@ -232,7 +233,7 @@ class DraftFusedKGraph(nn.Module):
 
 
 class DFlashContextGraph(nn.Module):
-    """(features [1, P, n_capture*H]) -> ()   context K/V of prompt positions 0..P-1 into the DFlash cache."""
+    """(features [1, P, n_capture*H]) -> (rows_written [1],)   context K/V of prompt positions 0..P-1."""
 
     def __init__(self, dflash):
         super().__init__()
@@ -240,7 +241,7 @@ class DFlashContextGraph(nn.Module):
 
     def forward(self, features):
         self.dflash.write_context(features, torch.arange(features.shape[1], dtype=I32))
-        return ()
+        return (torch.full((1,), features.shape[1], dtype=I32),)
 
 
 class DFlashDraftGraph(nn.Module):

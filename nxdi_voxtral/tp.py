@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -35,20 +36,22 @@ class Comm:
 
 
 class DistComm(Comm):
-    """torch.distributed process group (gloo on CPU)."""
+    """The default torch.distributed group (gloo on CPU), through functional collectives: they run eagerly and
+    are traced by torch.export, so exported per-rank graphs keep their collectives."""
 
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
 
     def all_reduce(self, x):
-        x = x.contiguous().clone()
-        dist.all_reduce(x)
-        return x
+        return _waited(funcol.all_reduce(x.contiguous(), "sum", dist.group.WORLD))
 
     def all_gather(self, x):
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.stack(parts)
+        return _waited(funcol.all_gather_tensor(x.contiguous(), 0, dist.group.WORLD)).reshape(self.size, *x.shape)
+
+
+def _waited(t):
+    # eager funcol results are async handles; wait now so no later (in-place) op races the collective
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 SINGLE = Comm()

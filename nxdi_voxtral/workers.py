@@ -78,12 +78,16 @@ def _worker(address: str, rank: int, tp: int, init_file: str) -> None:
         if msg is None:
             break
         try:
-            tag, bucket, inputs = msg
+            if msg[0] == "call":  # an Engine method on every rank (export, load_programs): all ranks answer
+                send(conn, ("ok", getattr(engine, msg[1])(*msg[2], rank=rank)))
+                continue
+            _, tag, bucket, inputs = msg
             out = engine.run(tag, bucket, *inputs)
             if rank == 0:
                 send(conn, ("ok", out))
-        except BaseException:  # noqa: BLE001
-            send(conn, ("error", WorkerError(f"rank {rank}: {traceback.format_exc()}")))
+        except BaseException as e:  # noqa: BLE001
+            send(conn, ("error", e if isinstance(e, VoxtralError) else
+                        WorkerError(f"rank {rank}: {traceback.format_exc()}")))
     dist.destroy_process_group()
 
 
@@ -155,8 +159,14 @@ class RankWorkers:
 
     def run(self, tag: str, bucket: int, *inputs):
         for c in self.conns:
-            send(c, (tag, bucket, inputs))
+            send(c, ("run", tag, bucket, inputs))
         return self._recv(self.conns[0])
+
+    def call(self, method: str, *args) -> list:
+        """Engine.method(*args, rank=r) on every rank -> the per-rank results."""
+        for c in self.conns:
+            send(c, ("call", method, args))
+        return [self._recv(c) for c in self.conns]
 
     def close(self) -> None:
         self._finalizer()

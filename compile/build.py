@@ -1,0 +1,123 @@
+"""python -m compile.build --model DIR [--draft DIR --draft-kind layers|dflash|ngram -k K] --tp 4
+       [--buckets audio=1,2,4,10:kv=512,1024,2048,4096,8192] [--dtype bf16] --out artifacts/NAME
+       [--backend neuron|cpu] [--pack-weights]
+
+Enumerates every graph x bucket (nxdi_voxtral.graphs.graph_plan, the one list), checks the graph contract and
+compiles each: backend `cpu` exports torch programs (one per graph, bucket and rank); backend `neuron` hands the
+same modules to NxD's ModelBuilder (needs the Neuron SDK, see nxdi_voxtral/neuron.py). Writes manifest.json.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nxdi_voxtral.errors import ArtifactError, ConfigError, VoxtralError
+from nxdi_voxtral.graphs import Buckets
+from nxdi_voxtral.manifest import SCHEMA_VERSION, file_entries, host_versions, weight_files, write_manifest
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_buckets(text: str | None) -> Buckets:
+    if not text:
+        return Buckets()
+    parts = dict(p.split("=", 1) for p in text.split(":"))
+    try:
+        return Buckets(audio_chunks=tuple(int(x) for x in parts.get("audio", "1,2,4,10").split(",")),
+                       kv_lengths=tuple(int(x) for x in parts.get("kv", "512,1024,2048,4096,8192").split(",")))
+    except ValueError:
+        raise ConfigError(f"--buckets {text!r}: expected e.g. audio=1,2:kv=512,1024") from None
+
+
+def default_backend() -> str:
+    try:
+        import neuronx_distributed  # noqa: F401
+        return "neuron"
+    except ImportError:
+        return "cpu"
+
+
+def build(model, out, draft=None, draft_kind=None, k=None, tp=1, buckets=None, dtype=torch.float32,
+          backend=None, pack_weights=False) -> dict:
+    from nxdi_voxtral.engine import build_engine
+    from nxdi_voxtral.workers import RankWorkers
+    backend = backend or default_backend()
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ArtifactError(f"{out}: exists and is not empty; choose a new --out")
+    if backend == "neuron":
+        from nxdi_voxtral.neuron import compile_neuron
+        return compile_neuron(model, out, draft, draft_kind, k, tp, buckets, dtype)
+    (out / "graphs").mkdir(parents=True)
+    t0 = time.perf_counter()
+    kwargs = dict(model_dir=model, draft=draft, draft_kind=draft_kind, k=k, dtype=dtype, buckets=buckets or Buckets())
+    print(f"building {model} (draft={draft_kind or 'none'}) for tp={tp}, backend={backend}", flush=True)
+    if tp == 1:
+        engine = build_engine(**kwargs)
+        setup, graphs = engine.setup, engine.export(str(out / "graphs"), rank=0)
+    else:
+        workers = RankWorkers(tp, kwargs)
+        try:
+            setup, graphs = workers.setup, workers.call("export", str(out / "graphs"))[0]
+        finally:
+            workers.close()
+    weights = {}
+    for role, src in (("target", model), ("draft", draft if draft_kind in ("layers", "dflash") else None)):
+        if src is None:
+            continue
+        files = weight_files(Path(src))
+        if pack_weights:
+            dest = out / "weights" / role
+            dest.mkdir(parents=True)
+            for f in files:
+                shutil.copy2(f, dest / f.name)
+            weights[role] = {"packed": True, "dir": f"weights/{role}", "files": file_entries(out, weight_files(dest))}
+        else:
+            weights[role] = {"packed": False, "dir": str(Path(src).resolve()),
+                             "files": file_entries(out, [f.resolve() for f in files])}
+    total = time.perf_counter() - t0
+    manifest = {
+        "schema_version": SCHEMA_VERSION, "backend": backend, "tp": tp, "lnc": 1, "dtype": str(dtype),
+        "draft_kind": setup.draft_kind, "k": setup.k,
+        "buckets": {"audio_chunks": list(setup.buckets.audio_chunks), "kv_lengths": list(setup.buckets.kv_lengths),
+                    "text_slack": setup.buckets.text_slack},
+        "config": setup.cfg.to_dict(), "versions": {**host_versions(), "nxdi_voxtral": "0.1.0"},
+        "weights": weights, "graphs": graphs, "build_seconds": total,
+    }
+    write_manifest(out, manifest)
+    print(f"\n{'graph':<24} {'bucket':>6}  {'seconds':>7}")
+    for g in graphs:
+        print(f"{g['tag']:<24} {g['bucket']:>6}  {g['seconds']:7.2f}")
+    print(f"{len(graphs)} graphs x {tp} rank(s) in {total:.1f} s -> {out}")
+    return manifest
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m compile.build", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft")
+    ap.add_argument("--draft-kind", choices=["layers", "dflash", "ngram"])
+    ap.add_argument("-k", "--num-speculative-tokens", type=int)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--buckets")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--backend", choices=["neuron", "cpu"])
+    ap.add_argument("--pack-weights", action="store_true", help="copy the checkpoint(s) into the artifact")
+    a = ap.parse_args(argv)
+    try:
+        build(a.model, a.out, a.draft, a.draft_kind, a.num_speculative_tokens, a.tp, parse_buckets(a.buckets),
+              DTYPES[a.dtype], a.backend, a.pack_weights)
+    except VoxtralError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

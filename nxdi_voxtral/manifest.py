@@ -1,0 +1,96 @@
+"""Artifact manifests: what was built, from which weights, for which host; every file with size and sha256."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .errors import ArtifactError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entries(root: Path, paths) -> list[dict]:
+    return [{"path": str(p.relative_to(root)) if p.is_relative_to(root) else str(p), "size": p.stat().st_size,
+             "sha256": sha256_file(p)} for p in sorted(paths)]
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    names = ("config.json", "tekken.json", "model.safetensors.index.json")
+    return sorted([p for p in model_dir.iterdir() if p.name in names or p.suffix == ".safetensors"])
+
+
+def host_versions() -> dict:
+    import transformers
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "neuron_sdk": None}
+    try:
+        import torch_neuronx  # noqa: F401  (only on a Neuron host)
+        out["neuron_sdk"] = getattr(torch_neuronx, "__version__", "unknown")
+    except ImportError:
+        pass
+    return out
+
+
+def write_manifest(out: Path, manifest: dict) -> None:
+    files = [p for p in out.rglob("*") if p.is_file() and p.name != MANIFEST]
+    manifest["files"] = file_entries(out, files)
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, out / MANIFEST)
+
+
+def verify(art_dir: str | Path, deep: bool = True) -> dict:
+    """Manifest present and readable; every listed file present with its size (and sha256 when deep); external
+    weights unchanged. Raises ArtifactError naming the file or field."""
+    root = Path(art_dir)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{root}: no {MANIFEST} (not an nxdi_voxtral artifact, or an unfinished build)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path}: corrupted ({e})") from None
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ArtifactError(f"{path}: schema_version {manifest.get('schema_version')!r}, this nxdi_voxtral reads "
+                            f"{SCHEMA_VERSION}")
+    listed = list(manifest["files"])
+    for w in ("target", "draft"):
+        if manifest.get("weights", {}).get(w) and not manifest["weights"][w]["packed"]:
+            listed += manifest["weights"][w]["files"]
+    for entry in listed:
+        p = Path(entry["path"]) if os.path.isabs(entry["path"]) else root / entry["path"]
+        if not p.is_file():
+            raise ArtifactError(f"missing file {entry['path']}")
+        if p.stat().st_size != entry["size"]:
+            raise ArtifactError(f"file {entry['path']} is {p.stat().st_size} bytes, manifest says {entry['size']} "
+                                f"(truncated or replaced)")
+        if deep and sha256_file(p) != entry["sha256"]:
+            raise ArtifactError(f"file {entry['path']}: sha256 mismatch (corrupted or modified)")
+    return manifest
+
+
+def check_host(manifest: dict, tp_degree: int | None) -> None:
+    """Artifacts built for another backend / TP degree / software stack than this host: a typed error."""
+    host = host_versions()
+    if manifest["backend"] == "neuron" and host["neuron_sdk"] is None:
+        raise ArtifactError("backend: artifacts are NEFFs for Neuron, this host has no Neuron SDK")
+    if manifest["backend"] == "cpu" and manifest["versions"]["torch"] != host["torch"]:
+        raise ArtifactError(f"versions.torch: built with torch {manifest['versions']['torch']}, this host has "
+                            f"{host['torch']} (exported programs are tied to the torch version)")
+    if manifest["backend"] == "neuron" and manifest["versions"]["neuron_sdk"] != host["neuron_sdk"]:
+        raise ArtifactError(f"versions.neuron_sdk: built with {manifest['versions']['neuron_sdk']}, host has "
+                            f"{host['neuron_sdk']}")
+    if tp_degree is not None and tp_degree != manifest["tp"]:
+        raise ArtifactError(f"tp: artifacts were built for tp={manifest['tp']}, tp_degree={tp_degree} requested")
