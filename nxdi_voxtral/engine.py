@@ -33,6 +33,16 @@ class Engine:
         with torch.inference_mode():
             return self.graphs[(tag, bucket)](*inputs)
 
+    def weight_bytes(self, rank: int = 0) -> int:
+        """Bytes of weights this rank holds (shared modules counted once)."""
+        seen, total = set(), 0
+        for m in (self.model, self.draft):
+            for p in (m.parameters() if m is not None else ()):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel() * p.element_size()
+        return total
+
     def caches(self) -> dict[str, torch.Tensor]:
         mods = {"target": self.model.language_model}
         if self.draft is not None:
