@@ -185,7 +185,7 @@ def parent(args) -> None:
 
     eos = 2
     same = ours["tokens"] == hf["tokens"]
-    print(f"## Greedy decode: nxdi_voxtral vs transformers (fp32, CPU, batch 1)\n")
+    print("## Greedy decode: nxdi_voxtral vs transformers (fp32, CPU, batch 1)\n")
     print(f"model: random mid-size Voxtral at {model_dir} (decoder 1024x8L, FFN 2816, 16q/4kv heads x 64, "
           f"vocab 32768; audio 256x2L)")
     print(f"prompt: {input_ids.shape[1]} tokens from {args.seconds:g} s of audio ({feats.shape[0]} chunk); "

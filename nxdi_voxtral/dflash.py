@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, DraftMismatchError
-from .model import MLP, RMSNorm, apply_rope, attention, rope_tables
+from .model import MLP, DecoderAttention, RMSNorm, apply_rope, attention, rope_tables
 from .config import TextConfig
-from .tp import SINGLE, Comm, Layout, Linear, RowLinear, layout
+from .tp import SINGLE, Comm, Layout, layout
 
 
 @dataclass(frozen=True)
@@ -66,14 +66,11 @@ class DFlashConfig:
                                      f"proposes at most {self.block_size - 1}")
 
 
-class DFlashAttention(nn.Module):
+class DFlashAttention(DecoderAttention):
+    """The decoder's projections plus Qwen3's per-head q/k RMSNorm (before RoPE); no causal mask."""
+
     def __init__(self, cfg: TextConfig, lay: Layout, comm: Comm):
-        super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = lay.heads, lay.kv_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, lay.heads * cfg.head_dim, bias=False)
-        self.k_proj = Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = RowLinear(lay.heads * cfg.head_dim, cfg.hidden_size, bias=False, comm=comm)
+        super().__init__(cfg, lay, comm)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 

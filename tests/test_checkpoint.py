@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from nxdi_voxtral import CheckpointError, NxDVoxtralSpecDec

@@ -4,7 +4,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from nxdi_voxtral import ConfigError, DraftMismatchError, NxDVoxtralSpecDec
 from nxdi_voxtral.speculative import ngram_propose

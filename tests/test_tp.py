@@ -1,7 +1,6 @@
 """Tensor parallelism: tp in {2, 4} gives the same greedy tokens as tp = 1 (and close features), for the target
 alone and for every draft kind, with kv-head replication (tp > n_kv) and a vocabulary that tp does not divide."""
 import os
-import signal
 import subprocess
 import sys
 import textwrap
