@@ -1,7 +1,6 @@
 """Loading the drafts and checking that they fit the target."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -11,11 +10,8 @@ from .checkpoint import build_and_load, read_safetensors
 from .config import VoxtralConfig
 from .dflash import DFlashConfig, DFlashDraft
 from .errors import CheckpointError, ConfigError, DraftMismatchError
+from .manifest import sha256_file
 from .tp import SINGLE
-
-
-def file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def check_layer_draft(draft_dir: Path, target_dir: Path, draft: VoxtralConfig, target: VoxtralConfig) -> None:
@@ -25,7 +21,7 @@ def check_layer_draft(draft_dir: Path, target_dir: Path, draft: VoxtralConfig, t
         if d != t:
             raise DraftMismatchError(f"layer draft {draft_dir}: {what} {d} != target's {t}")
     dt, tt = Path(draft_dir) / "tekken.json", Path(target_dir) / "tekken.json"
-    if dt.is_file() and tt.is_file() and file_digest(dt) != file_digest(tt):
+    if dt.is_file() and tt.is_file() and sha256_file(dt) != sha256_file(tt):
         raise DraftMismatchError(f"layer draft {draft_dir}: tekken.json differs from the target's tokenizer")
     layer_types = json.loads((Path(draft_dir) / "config.json").read_text())["text_config"].get("layer_types")
     if layer_types is not None and len(layer_types) not in (draft.text.num_layers, target.text.num_layers):
