@@ -37,6 +37,9 @@ def import_nki():
         raise NkiUnavailableError(
             f"NXDI_VOXTRAL_KERNELS=nki needs the `nki` package from AWS's Neuron pip repository (SDK >= 2.27); "
             f"importing it failed: {type(e).__name__}: {e}") from e
+    if getattr(mods[0], "IS_STUB", False) is True:
+        raise NkiUnavailableError("`nki` is the neuron-rehearsal kit's stub (nothing compiles there): run with "
+                                  "NXDI_VOXTRAL_KERNELS=torch, or on a host with the Neuron SDK's `nki`")
     if not hasattr(mods[0], "jit"):
         raise NkiUnavailableError(f"`nki` imported from {getattr(mods[0], '__file__', '?')} has no `jit`: "
                                   "not the Neuron SDK's package")
