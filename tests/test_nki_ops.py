@@ -94,3 +94,23 @@ def test_twins_trace_on_a_device_without_host_values(monkeypatch, name):
     assert all(o.device.type == "meta" for o in outs)
     assert not set(rec.ops) & (BANNED_OPS | {"cumprod"}) and not rec.bool_indexing
     assert all(o.dtype != torch.int64 for o in outs)
+
+
+def test_twins_lower_on_torch_xla_without_fallbacks(monkeypatch):
+    """In ../shared/neuron-rehearsal (torch-xla CPU): each twin lowers to one HLO graph, no aten fallback."""
+    xm = pytest.importorskip("torch_xla.core.xla_model", reason="torch-xla: run inside ../shared/neuron-rehearsal")
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    monkeypatch.setenv(ops.ENV, "torch")
+    dev = xm.xla_device()
+    for name, args in inputs().items():
+        met.clear_all()
+        out = getattr(ops, name)(*(a.to(dev) for a in args))
+        outs = out if isinstance(out, tuple) else (out,)
+        assert torch_xla._XLAC._get_xla_tensors_hlo(list(outs))
+        ref = getattr(ops, name)(*args)
+        assert all(torch.equal(o.cpu(), r) for o, r in zip(outs, ref if isinstance(ref, tuple) else (ref,)))
+        assert met.executed_fallback_ops() == [], (name, met.executed_fallback_ops())
+    monkeypatch.setenv(ops.ENV, "nki")  # the kit's stub `nki` is refused, not traced into a meaningless graph
+    with pytest.raises(NkiUnavailableError):
+        ops.rank_argmax(inputs()["rank_argmax"][0].to(dev))
