@@ -81,15 +81,20 @@ def check_and_cast(state_dict: dict[str, torch.Tensor], module: torch.nn.Module,
 
 def build_and_load(factory, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, source: str,
                    tp: int = 1, rank: int = 0, comm=None):
-    """factory(tp, rank, comm) builds the module. Checks the checkpoint against the whole (tp=1) module, takes this
-    rank's shards and assigns them without a second copy of the weights; caches and RoPE tables are then allocated."""
-    from .tp import shard_tensor
+    """factory(comm) builds the module; its structure is the same on every rank. Checks the checkpoint against the
+    whole (tp=1) module, takes this rank's shards (its SPMDRank weights included) and assigns them without a second
+    copy of the weights; caches are then allocated."""
+    import dataclasses
+    from .tp import SINGLE, shard_kind, shard_tensor
     with torch.device("meta"):
-        whole = factory(1, 0, None)
-        local = whole if tp == 1 else factory(tp, rank, comm)
+        whole = factory(SINGLE)
+        local = whole if tp == 1 else factory(comm)
     sd = check_and_cast(state_dict, whole, dtype, source)
     if tp > 1:
-        sd = {k: shard_tensor(k, v, local.layout) for k, v in sd.items()}
-    local.load_state_dict(sd, strict=False, assign=True)
+        lay = dataclasses.replace(local.layout, rank=rank)
+        sd = {k: shard_tensor(k, v, lay) for k, v in sd.items()}
+        sd.update({k: shard_tensor(k, torch.arange(tp, dtype=torch.int32), lay) for k in local.state_dict()
+                   if shard_kind(k, lay) == "rank"})
+    local.load_state_dict(sd, strict=True, assign=True)
     local.init_state("cpu", dtype)
     return local.eval()

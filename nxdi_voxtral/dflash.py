@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, DraftMismatchError
-from .model import MLP, DecoderAttention, RMSNorm, apply_rope, attention, rope_tables
+from .model import MLP, DecoderAttention, RMSNorm, apply_rope, attention, rope_at
 from .config import TextConfig
 from .tp import SINGLE, Comm, Layout, layout
 
@@ -100,32 +100,26 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraft(nn.Module):
-    def __init__(self, cfg: DFlashConfig, max_len: int, tp: int = 1, rank: int = 0, comm: Comm = SINGLE):
+    def __init__(self, cfg: DFlashConfig, max_len: int, comm: Comm = SINGLE):
         super().__init__()
         self.cfg = cfg
         t = cfg.text
-        self.layout = lay = layout(t, None, tp, rank)
+        self.layout = lay = layout(t, None, comm.size, 0)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * t.hidden_size, t.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(t, lay, comm) for _ in range(t.num_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
-        self.register_buffer("rope_cos", torch.empty(max_len + cfg.block_size, t.head_dim), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(max_len + cfg.block_size, t.head_dim), persistent=False)
         shape = (t.num_layers, 1, lay.kv_heads, max_len, t.head_dim)
         self.register_buffer("k_cache", torch.empty(shape), persistent=False)
         self.register_buffer("v_cache", torch.empty(shape), persistent=False)
         self.init_state(self.k_cache.device)
 
     def init_state(self, device="cpu", dtype=None) -> None:
-        self.rope_cos, self.rope_sin = (t.to(device) for t in rope_tables(self.cfg.text.head_dim,
-                                                                           self.cfg.text.rope_theta,
-                                                                           self.rope_cos.shape[0]))
         self.k_cache = torch.zeros(self.k_cache.shape, dtype=dtype or self.k_cache.dtype, device=device)
         self.v_cache = torch.zeros(self.v_cache.shape, dtype=dtype or self.v_cache.dtype, device=device)
 
     def rope(self, positions):
-        pos = positions.long()
-        return self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
+        return rope_at(positions.long(), self.cfg.text.head_dim, self.cfg.text.rope_theta)
 
     def write_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         """features [1, R, n_ids*H] of target positions `positions` [R] -> context K/V of every layer, in place."""
@@ -139,7 +133,7 @@ class DFlashDraft(nn.Module):
     def propose_hidden(self, block: torch.Tensor, positions: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
         """block [1, B, H] embedded at positions [B]; ctx_mask [1, S] marks valid context slots -> norm(x) [1, B, H]."""
         s, b = ctx_mask.shape[1], block.shape[1]
-        visible = torch.cat([(ctx_mask > 0).expand(b, s), torch.ones(b, b, dtype=torch.bool)], dim=1)
+        visible = torch.cat([(ctx_mask > 0).expand(b, s), torch.ones(b, b, dtype=torch.bool, device=block.device)], dim=1)
         cos, sin = self.rope(positions)
         x = block
         for i, layer in enumerate(self.layers):

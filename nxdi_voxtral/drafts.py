@@ -11,7 +11,6 @@ from .config import VoxtralConfig
 from .dflash import DFlashConfig, DFlashDraft
 from .errors import CheckpointError, ConfigError, DraftMismatchError
 from .manifest import sha256_file
-from .tp import SINGLE
 
 
 def check_layer_draft(draft_dir: Path, target_dir: Path, draft: VoxtralConfig, target: VoxtralConfig) -> None:
@@ -39,5 +38,5 @@ def load_dflash(draft_dir: str | Path, target: VoxtralConfig, k: int, dtype: tor
     if raw.get("attention_bias"):
         raise ConfigError(f"DFlash draft {draft_dir}: attention_bias=true is not supported")
     sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in read_safetensors(draft_dir).items()}
-    factory = lambda tp_, rank_, comm_: DFlashDraft(cfg, max_len, tp_, rank_, comm_ or SINGLE)  # noqa: E731
+    factory = lambda comm_: DFlashDraft(cfg, max_len, comm_)  # noqa: E731
     return cfg, build_and_load(factory, sd, dtype, str(draft_dir), tp, rank, comm)

@@ -15,7 +15,6 @@ from .contract import ContractViolation, check_graph_call
 from .export import Program, export_graph
 from .graphs import DRAFT_KINDS, Buckets, GraphSetup, build_graph, example_inputs, graph_plan
 from .model import VoxtralModel
-from .tp import SINGLE
 
 DEFAULT_K = {"layers": 4, "ngram": 3}
 KV_WRITERS = {"context_encoding", "token_generation", "verify", "draft_context_encoding", "draft_fused_k",
@@ -94,7 +93,7 @@ class Engine:
 
 
 def load_voxtral(model_dir, sd: dict, cfg: VoxtralConfig, dtype, buckets: Buckets, tp=1, rank=0, comm=None):
-    factory = lambda tp_, rank_, comm_: VoxtralModel(cfg, buckets.kv_lengths[-1], tp_, rank_, comm_ or SINGLE)  # noqa
+    factory = lambda comm_: VoxtralModel(cfg, buckets.kv_lengths[-1], comm_)  # noqa: E731
     return build_and_load(factory, sd, dtype, str(model_dir), tp, rank, comm)
 
 

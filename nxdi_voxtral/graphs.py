@@ -152,9 +152,9 @@ class ContextEncodingGraph(nn.Module):
 
     def forward(self, input_ids, audio_embeds, audio_positions, last_index):
         x = self.model.embed_with_audio(input_ids, audio_embeds, audio_positions)
-        t = x.shape[1]
-        h, captured = self.model.language_model(x, torch.arange(t, dtype=I32), None, causal_visible(t),
-                                                self.capture_layers)
+        t, dev = x.shape[1], input_ids.device
+        h, captured = self.model.language_model(x, torch.arange(t, dtype=I32, device=dev), None,
+                                                causal_visible(t, dev), self.capture_layers)
         first = self.model.greedy(h.index_select(1, last_index.long()))[0]
         return (first, torch.cat(captured, dim=-1)) if captured else (first,)
 
@@ -171,9 +171,9 @@ class DraftContextEncodingGraph(nn.Module):
     def forward(self, input_ids, audio, audio_positions):
         embeds = self.draft.encode_audio(audio) if self.own_audio else audio
         x = self.draft.embed_with_audio(input_ids, embeds, audio_positions)
-        t = x.shape[1]
-        self.draft.language_model(x, torch.arange(t, dtype=I32), None, causal_visible(t))
-        return (torch.full((1,), t, dtype=I32),)
+        t, dev = x.shape[1], input_ids.device
+        self.draft.language_model(x, torch.arange(t, dtype=I32, device=dev), None, causal_visible(t, dev))
+        return (torch.full((1,), t, dtype=I32, device=dev),)
 
 
 class TokenGenerationGraph(nn.Module):
@@ -240,8 +240,9 @@ class DFlashContextGraph(nn.Module):
         self.dflash = dflash
 
     def forward(self, features):
-        self.dflash.write_context(features, torch.arange(features.shape[1], dtype=I32))
-        return (torch.full((1,), features.shape[1], dtype=I32),)
+        p, dev = features.shape[1], features.device
+        self.dflash.write_context(features, torch.arange(p, dtype=I32, device=dev))
+        return (torch.full((1,), p, dtype=I32, device=dev),)
 
 
 class DFlashDraftGraph(nn.Module):
@@ -257,9 +258,10 @@ class DFlashDraftGraph(nn.Module):
     def forward(self, new_features, new_positions, anchor, anchor_position, ctx_mask):
         self.dflash.write_context(new_features, new_positions[0])
         b = self.dflash.cfg.block_size
-        block_ids = torch.cat([anchor, torch.full((1, b - 1), self.dflash.cfg.mask_token_id, dtype=I32)], dim=1)
-        block = self.target.language_model.embed_tokens(block_ids.long())
-        h = self.dflash.propose_hidden(block, anchor_position + torch.arange(b, dtype=I32), ctx_mask)
+        dev = anchor.device
+        mask_ids = torch.full((1, b - 1), self.dflash.cfg.mask_token_id, dtype=I32, device=dev)
+        block = self.target.language_model.embed_tokens(torch.cat([anchor, mask_ids], dim=1).long())
+        h = self.dflash.propose_hidden(block, anchor_position + torch.arange(b, dtype=I32, device=dev), ctx_mask)
         return (self.target.greedy(h[:, 1:self.k + 1]),)
 
 

@@ -10,20 +10,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import AudioEncoderConfig, TextConfig, VoxtralConfig
-from .tp import SINGLE, Comm, Layout, Linear, RowLinear, VocabEmbedding, layout, vocab_greedy
+from .tp import SINGLE, Comm, Layout, layout, vocab_greedy
 
 
 # ---------------------------------------------------------------- audio encoder
 
 class EncoderAttention(nn.Module):
-    def __init__(self, dim: int, heads: int, tp: int = 1, comm: Comm = SINGLE):
+    def __init__(self, dim: int, heads: int, comm: Comm = SINGLE):
         super().__init__()
-        self.heads, self.head_dim = heads // tp, dim // heads
-        local = dim // tp
-        self.q_proj = nn.Linear(dim, local)
-        self.k_proj = nn.Linear(dim, local, bias=False)
-        self.v_proj = nn.Linear(dim, local)
-        self.out_proj = RowLinear(local, dim, comm=comm)
+        self.heads, self.head_dim = heads // comm.size, dim // heads
+        self.q_proj = comm.column(dim, dim)
+        self.k_proj = comm.column(dim, dim, bias=False)
+        self.v_proj = comm.column(dim, dim)
+        self.out_proj = comm.row(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -36,13 +35,13 @@ class EncoderAttention(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, cfg: AudioEncoderConfig, tp: int = 1, comm: Comm = SINGLE):
+    def __init__(self, cfg: AudioEncoderConfig, comm: Comm = SINGLE):
         super().__init__()
         d = cfg.hidden_size
-        self.self_attn = EncoderAttention(d, cfg.num_heads, tp, comm)
+        self.self_attn = EncoderAttention(d, cfg.num_heads, comm)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.intermediate_size // tp)
-        self.fc2 = RowLinear(cfg.intermediate_size // tp, d, comm=comm)
+        self.fc1 = comm.column(d, cfg.intermediate_size)
+        self.fc2 = comm.row(cfg.intermediate_size, d)
         self.final_layer_norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,13 +52,13 @@ class EncoderLayer(nn.Module):
 class AudioEncoder(nn.Module):
     """mel [n_chunks, n_mels, 2*P] -> hidden [n_chunks, P, d] (P = max_source_positions)."""
 
-    def __init__(self, cfg: AudioEncoderConfig, tp: int = 1, comm: Comm = SINGLE):
+    def __init__(self, cfg: AudioEncoderConfig, comm: Comm = SINGLE):
         super().__init__()
         d = cfg.hidden_size
         self.conv1 = nn.Conv1d(cfg.num_mel_bins, d, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
         self.embed_positions = nn.Embedding(cfg.max_source_positions, d)
-        self.layers = nn.ModuleList(EncoderLayer(cfg, tp, comm) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(EncoderLayer(cfg, comm) for _ in range(cfg.num_layers))
         self.layer_norm = nn.LayerNorm(d)
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
@@ -72,10 +71,10 @@ class AudioEncoder(nn.Module):
 
 
 class Projector(nn.Module):
-    def __init__(self, audio_intermediate: int, hidden: int, tp: int = 1, comm: Comm = SINGLE):
+    def __init__(self, audio_intermediate: int, hidden: int, comm: Comm = SINGLE):
         super().__init__()
-        self.linear_1 = nn.Linear(audio_intermediate, hidden // tp, bias=False)
-        self.linear_2 = RowLinear(hidden // tp, hidden, bias=False, comm=comm)
+        self.linear_1 = comm.column(audio_intermediate, hidden, bias=False)
+        self.linear_2 = comm.row(hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.gelu(self.linear_1(x)))
@@ -95,9 +94,12 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_tables(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+def rope_at(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim] (float32) at integer positions [T], computed inside the graph: a table held as a
+    buffer would be neither a checkpoint weight nor written state, and NxD initialises such tensors to zeros."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+                                / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -120,10 +122,10 @@ class DecoderAttention(nn.Module):
     def __init__(self, cfg: TextConfig, lay: Layout, comm: Comm = SINGLE):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = lay.heads, lay.kv_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, lay.heads * cfg.head_dim, bias=False)
-        self.k_proj = Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = Linear(cfg.hidden_size, lay.kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = RowLinear(lay.heads * cfg.head_dim, cfg.hidden_size, bias=False, comm=comm)
+        self.q_proj = comm.column(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = comm.kv_column(cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim)
+        self.v_proj = comm.kv_column(cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim)
+        self.o_proj = comm.row(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, write_pos, k_cache, v_cache, key_len, visible):
         """Writes this call's K/V into the caches at `write_pos` (in place), then attends.
@@ -145,9 +147,9 @@ class DecoderAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: TextConfig, lay: Layout, comm: Comm = SINGLE):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, lay.intermediate, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, lay.intermediate, bias=False)
-        self.down_proj = RowLinear(lay.intermediate, cfg.hidden_size, bias=False, comm=comm)
+        self.gate_proj = comm.column(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = comm.column(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = comm.row(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -172,20 +174,16 @@ class LanguageModel(nn.Module):
     def __init__(self, cfg: TextConfig, max_len: int, lay: Layout, comm: Comm = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = VocabEmbedding(lay.vocab_local, cfg.hidden_size, lay.rank * lay.vocab_local, comm)
+        self.embed_tokens = comm.vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, lay, comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer("rope_cos", torch.empty(max_len, cfg.head_dim), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(max_len, cfg.head_dim), persistent=False)
         shape = (cfg.num_layers, 1, lay.kv_heads, max_len, cfg.head_dim)
         self.register_buffer("k_cache", torch.empty(shape), persistent=False)
         self.register_buffer("v_cache", torch.empty(shape), persistent=False)
         self.init_state(self.k_cache.device)
 
     def init_state(self, device="cpu", dtype=None) -> None:
-        """(Re)allocate the RoPE tables (float32) and zeroed caches, e.g. after loading weights into a meta model."""
-        self.rope_cos, self.rope_sin = (t.to(device) for t in rope_tables(self.cfg.head_dim, self.cfg.rope_theta,
-                                                                           self.max_len))
+        """(Re)allocate zeroed caches, e.g. after loading weights into a meta model."""
         self.k_cache = torch.zeros(self.k_cache.shape, dtype=dtype or self.k_cache.dtype, device=device)
         self.v_cache = torch.zeros(self.v_cache.shape, dtype=dtype or self.v_cache.dtype, device=device)
 
@@ -199,7 +197,7 @@ class LanguageModel(nn.Module):
         captured = outputs of the decoder layers listed in capture_layers (DFlash context features).
         """
         pos = positions.long()
-        cos, sin = self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
+        cos, sin = rope_at(pos, self.cfg.head_dim, self.cfg.rope_theta)
         captured = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, pos, self.k_cache[i], self.v_cache[i], key_len, visible)
@@ -208,7 +206,7 @@ class LanguageModel(nn.Module):
         return self.norm(x), captured
 
 
-def causal_visible(t: int, device=None) -> torch.Tensor:
+def causal_visible(t: int, device) -> torch.Tensor:
     return torch.ones(t, t, dtype=torch.bool, device=device).tril()
 
 
@@ -225,25 +223,27 @@ def cached_visible(positions: torch.Tensor, cache_mask: torch.Tensor, start=None
 
 
 class VoxtralModel(nn.Module):
-    """tp / rank / comm: this rank's shard (tp.py); the default is the whole model on one rank."""
+    """comm: the tensor-parallel group (tp.py); the default is the whole model on one rank. The structure is the
+    same on every rank (SPMD): which shard a rank holds is in its weights, including its SPMDRank."""
 
-    def __init__(self, cfg: VoxtralConfig, max_len: int, tp: int = 1, rank: int = 0, comm: Comm = SINGLE):
+    def __init__(self, cfg: VoxtralConfig, max_len: int, comm: Comm = SINGLE):
         super().__init__()
         self.cfg, self.comm = cfg, comm
-        self.layout = lay = layout(cfg.text, cfg.audio, tp, rank)
-        audio_tp, audio_comm = (tp, comm) if lay.audio_sharded else (1, SINGLE)  # replicated: no reductions
-        self.audio_tower = AudioEncoder(cfg.audio, audio_tp, audio_comm)
-        self.multi_modal_projector = Projector(cfg.audio.intermediate_size, cfg.text.hidden_size, audio_tp, audio_comm)
+        self.layout = lay = layout(cfg.text, cfg.audio, comm.size, 0)
+        audio_comm = comm if lay.audio_sharded else SINGLE  # replicated: no reductions
+        self.audio_tower = AudioEncoder(cfg.audio, audio_comm)
+        self.multi_modal_projector = Projector(cfg.audio.intermediate_size, cfg.text.hidden_size, audio_comm)
         self.language_model = LanguageModel(cfg.text, max_len, lay, comm)
-        self.lm_head = Linear(cfg.text.hidden_size, lay.vocab_local, bias=False)
+        self.lm_head = comm.vocab_head(cfg.text.hidden_size, cfg.text.vocab_size)
+        self.spmd_rank = comm.spmd_rank()
 
     def init_state(self, device="cpu", dtype=None) -> None:
         self.language_model.init_state(device, dtype)
 
     def greedy(self, h: torch.Tensor) -> torch.Tensor:
         """Greedy tokens (int32) of final hidden states h [..., H]: argmax over the whole (sharded) vocabulary."""
-        lay = self.layout
-        return vocab_greedy(self.lm_head(h), lay.rank * lay.vocab_local, self.cfg.text.vocab_size, self.comm)
+        rank = self.spmd_rank.rank if self.spmd_rank is not None else None
+        return vocab_greedy(self.lm_head(h), rank, self.cfg.text.vocab_size, self.comm)
 
     def encode_audio(self, mel: torch.Tensor) -> torch.Tensor:
         """mel [n, n_mels, frames] -> audio embeddings [n * tokens_per_chunk, H]."""

@@ -6,6 +6,7 @@ on Neuron the same description becomes NxD parallel layers / partition_dim attri
   row-parallel (dim 1) + all-reduce: o_proj, down_proj, audio out_proj/fc2, projector linear_2
   vocab-parallel (dim 0, padded to a multiple of tp): embed_tokens, lm_head (argmax combined across ranks)
   kv heads: split when tp <= n_kv, replicated (rank r holds head r // (tp / n_kv)) when tp > n_kv
+  rank (SPMDRank weights): arange(tp) split on dim 0, so the rank is data in a graph every rank shares
   everything else (norms, convs, positions, DFlash fc): replicated
 """
 from __future__ import annotations
@@ -33,6 +34,36 @@ class Comm:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """-> [size, *x.shape]"""
         return x.unsqueeze(0)
+
+    # Layer construction. Sizes are the whole model's; CPU modules hold this rank's share of them. The Neuron
+    # backend's NxDComm (neuron.py) returns NxD's parallel layers instead, which shard through NxD's checkpoint path.
+    def column(self, in_features: int, out_features: int, bias: bool = True) -> nn.Module:
+        return Linear(in_features, out_features // self.size, bias=bias)
+
+    def row(self, in_features: int, out_features: int, bias: bool = True) -> nn.Module:
+        return RowLinear(in_features // self.size, out_features, bias=bias, comm=self)
+
+    def kv_column(self, in_features: int, n_kv: int, head_dim: int) -> nn.Module:
+        """k/v projection: kv heads split across ranks, or one replicated head per rank when size > n_kv."""
+        return Linear(in_features, max(n_kv // self.size, 1) * head_dim, bias=False)
+
+    def vocab_embedding(self, vocab: int, dim: int) -> nn.Module:
+        return VocabEmbedding(math.ceil(vocab / self.size), dim, self)
+
+    def vocab_head(self, dim: int, vocab: int) -> nn.Module:
+        return Linear(dim, math.ceil(vocab / self.size), bias=False)
+
+    def spmd_rank(self) -> nn.Module | None:
+        return SPMDRank() if self.size > 1 else None
+
+
+class SPMDRank(nn.Module):
+    """This rank's index as a weight ([1] int32, checkpoint value arange(tp) sharded on dim 0), as NxD's SPMDRank:
+    one traced graph serves every rank, so nothing rank-specific may be a Python constant in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.rank = nn.Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False)
 
 
 class DistComm(Comm):
@@ -104,6 +135,8 @@ def shard_kind(name: str, lay: Layout) -> str:
         return "row"
     if _VOCAB.search(name):
         return "vocab"
+    if name.endswith("rank_util.rank") or name.endswith("spmd_rank.rank"):
+        return "rank"
     if not audio and re.search(r"self_attn\.[kv]_proj\.weight$", name):
         return "kv"
     if _COLUMN.search(name):
@@ -123,6 +156,8 @@ def shard_tensor(name: str, t: torch.Tensor, lay: Layout) -> torch.Tensor:
         if rows > t.shape[0]:  # pad the vocabulary to a multiple of tp; padded logits are masked to -inf
             t = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
         return t.chunk(lay.tp, 0)[lay.rank].clone()
+    if kind == "rank":  # the whole-model value is arange(tp)
+        return torch.tensor([lay.rank], dtype=torch.int32)
     if kind == "kv":
         if lay.kv_replicated:
             head = lay.rank // (lay.tp // lay.n_kv)
@@ -167,30 +202,34 @@ class RowLinear(nn.Linear):
 
 
 class VocabEmbedding(nn.Embedding):
-    """Vocab-parallel embedding: ids outside this rank's range contribute zeros; all-reduce."""
+    """Vocab-parallel embedding: ids outside this rank's range contribute zeros; all-reduce. The range start is
+    rank_util.rank * rows (data, not a trace-time constant; the name mirrors NxD's ParallelEmbedding)."""
 
-    def __init__(self, num_local, dim, start: int = 0, comm: Comm = SINGLE):
+    def __init__(self, num_local, dim, comm: Comm = SINGLE):
         super().__init__(num_local, dim)
-        self.start, self.comm = start, comm
+        self.comm = comm
+        self.rank_util = comm.spmd_rank()
 
     def forward(self, ids):
         if self.comm.size == 1:
             return super().forward(ids)
-        local = ids - self.start
+        local = ids - self.rank_util.rank * self.num_embeddings
         inside = (local >= 0) & (local < self.num_embeddings)
         emb = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
         return self.comm.all_reduce(emb * inside.unsqueeze(-1).to(emb.dtype))
 
 
-def vocab_greedy(logits: torch.Tensor, start: int, vocab_size: int, comm: Comm) -> torch.Tensor:
-    """Global argmax (first index on ties, as torch.argmax) of vocab-sharded logits [..., V_local] -> int32."""
+def vocab_greedy(logits: torch.Tensor, rank: torch.Tensor | None, vocab_size: int, comm: Comm) -> torch.Tensor:
+    """Global argmax (first index on ties, as torch.argmax) of vocab-sharded logits [..., V_local] -> int32.
+    rank: this rank's SPMDRank weight ([1] int32); the shard starts at rank * V_local."""
     if comm.size == 1:
         return torch.argmax(logits, dim=-1).to(torch.int32)
     n_local = logits.shape[-1]
-    valid = (start + torch.arange(n_local)) < vocab_size
+    start = rank * n_local
+    valid = (start + torch.arange(n_local, dtype=torch.int32, device=logits.device)) < vocab_size
     logits = torch.where(valid, logits, torch.full_like(logits, float("-inf")))
     idx = torch.argmax(logits, dim=-1, keepdim=True)
     best = torch.gather(logits, -1, idx)[..., 0]
-    all_best, all_idx = comm.all_gather(best), comm.all_gather(idx[..., 0] + start)
+    all_best, all_idx = comm.all_gather(best), comm.all_gather(idx[..., 0].to(torch.int32) + start)
     winner = torch.argmax(all_best, dim=0, keepdim=True)  # lowest rank among equal maxima = lowest global id
     return torch.gather(all_idx, 0, winner)[0].to(torch.int32)

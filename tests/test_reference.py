@@ -45,7 +45,7 @@ def test_greedy_tokens_and_logits_match_transformers(ckpt_factory, hf_cls, shape
         pos = (full[0] == m.cfg.audio_token_id).nonzero().flatten()
         t0 = prompt.input_ids.shape[1]
         x = m.embed_with_audio(full[:, :t0], audio, pos)
-        h, _ = m.language_model(x, torch.arange(t0), None, causal_visible(t0))
+        h, _ = m.language_model(x, torch.arange(t0), None, causal_visible(t0, x.device))
         logits = [m.lm_head(h[0])]
         for p in range(t0, full.shape[1]):
             e = m.language_model.embed_tokens(full[:, p:p + 1])
