@@ -14,9 +14,14 @@ setup(
         "mistral-common[audio]>=1.8,<2",
         "safetensors>=0.4",
         "numpy>=1.24",
+        # `python -m nxdi_voxtral serve`
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "python-multipart>=0.0.9",
+        "prometheus-client>=0.17",
     ],
     extras_require={
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "httpx>=0.27", "openai>=1.30", "kubernetes-validate>=1.28", "pyyaml>=6"],
         # trn2 stack: from AWS's Neuron package repository (PyPI only has placeholders), see README
         "trn2": [],
     },

@@ -1,4 +1,4 @@
-"""python -m nxdi_voxtral transcribe AUDIO [--model DIR] [--language en]"""
+"""python -m nxdi_voxtral transcribe AUDIO [--model DIR] [--language en] | serve [--artifacts DIR | --model DIR]"""
 from __future__ import annotations
 
 import argparse
@@ -27,8 +27,18 @@ def main(argv=None) -> int:
                    help="proposals per target pass (default: layers 4, dflash block_size-1, ngram 3)")
     t.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     t.add_argument("--json", action="store_true", help="print the result as JSON")
+    s = sub.add_parser("serve", help="OpenAI-compatible transcription server (see README, Serving)")
+    from .serve.cli import add_arguments as add_serve_arguments
+    add_serve_arguments(s)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "serve":
+        from .serve.cli import serve
+        try:
+            return serve(args)
+        except VoxtralError as e:
+            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
 
     from .application import NxDVoxtralSpecDec
     from .synthetic import demo_dirs

@@ -116,9 +116,11 @@ class NxDVoxtralSpecDec:
         return self.engine.run(tag, bucket, *inputs)
 
     def generate(self, input_ids: torch.Tensor, input_features: torch.Tensor, max_new_tokens: int = 128,
-                 timings: dict | None = None, return_stats: bool = False):
+                 timings: dict | None = None, return_stats: bool = False, on_tokens=None):
         """Greedy continuation of input_ids -> LongTensor [1, n_new] (EOS included when reached); with a draft the
-        tokens are the same, fewer target passes. return_stats=True -> (ids, SpecStats)."""
+        tokens are the same, fewer target passes. return_stats=True -> (ids, SpecStats). on_tokens(new_ids) is
+        called with the newly emitted ids as the host loop accepts them (streaming); an exception it raises
+        stops generation."""
         s = self.setup
         gen.check_capacity(input_ids.shape[-1], max_new_tokens + s.k + s.dflash_block, self.buckets)
         stats = SpecStats(s.draft_kind or "none", s.k)
@@ -126,11 +128,14 @@ class NxDVoxtralSpecDec:
         first, position, drafter = self.prefill(input_ids, input_features, stats)
         t1 = time.perf_counter()
         eos = self.cfg.text.eos_token_id
+        if on_tokens is not None:
+            on_tokens([first])
         if drafter is None:
-            tokens = gen.decode(self.run, first, position, max_new_tokens, eos, self.buckets)
+            tokens = gen.decode(self.run, first, position, max_new_tokens, eos, self.buckets, on_tokens)
             stats.target_passes += len(tokens) - 1
         else:
-            tokens = gen.speculate(self.run, drafter, first, position, max_new_tokens, eos, self.buckets, s.k, stats)
+            tokens = gen.speculate(self.run, drafter, first, position, max_new_tokens, eos, self.buckets, s.k, stats,
+                                   on_tokens)
         t2 = time.perf_counter()
         stats.generated = len(tokens)
         if timings is not None:

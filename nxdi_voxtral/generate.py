@@ -44,8 +44,10 @@ def cache_mask(bucket: int, valid: int) -> torch.Tensor:
     return (torch.arange(bucket) < valid).to(I32)[None]
 
 
-def decode(run, first_token: int, position: int, max_new_tokens: int, eos_id: int, buckets: Buckets) -> list[int]:
-    """Plain greedy: one token_generation call per token. Stops at EOS (kept) or max_new_tokens."""
+def decode(run, first_token: int, position: int, max_new_tokens: int, eos_id: int, buckets: Buckets,
+           on_tokens=None) -> list[int]:
+    """Plain greedy: one token_generation call per token. Stops at EOS (kept) or max_new_tokens.
+    on_tokens(new_ids) is called with every token after the first as it is emitted (streaming)."""
     tokens = [first_token]
     while len(tokens) < max_new_tokens and tokens[-1] != eos_id:
         bucket = buckets.kv_bucket(position + 1)
@@ -53,6 +55,8 @@ def decode(run, first_token: int, position: int, max_new_tokens: int, eos_id: in
                      torch.tensor([position], dtype=I32), cache_mask(bucket, position))
         tokens.append(int(nxt[0]))
         position += 1
+        if on_tokens is not None:
+            on_tokens(tokens[-1:])
     return tokens
 
 
@@ -65,7 +69,7 @@ def check_capacity(prompt_len: int, max_new_tokens: int, buckets: Buckets) -> No
 
 
 def speculate(run, drafter, first_token: int, position: int, max_new_tokens: int, eos_id: int,
-              buckets: Buckets, k: int, stats) -> list[int]:
+              buckets: Buckets, k: int, stats, on_tokens=None) -> list[int]:
     """Draft proposes up to k tokens, one target `verify` pass accepts the longest prefix that equals its own
     greedy choice and adds one token: output is plain greedy, token for token. Stops at EOS / max_new_tokens
     even inside an accepted block."""
@@ -73,7 +77,7 @@ def speculate(run, drafter, first_token: int, position: int, max_new_tokens: int
     while len(tokens) < max_new_tokens and tokens[-1] != eos_id:
         proposal = drafter.propose(tokens, position)
         if not proposal:  # nothing to verify (n-gram miss): a plain decode step is the cheaper target pass
-            tokens += decode(run, tokens[-1], position, 2, eos_id, buckets)[1:]
+            tokens += decode(run, tokens[-1], position, 2, eos_id, buckets, on_tokens)[1:]
             stats.record([], 0, 1)
             position += 1
             continue
@@ -91,4 +95,6 @@ def speculate(run, drafter, first_token: int, position: int, max_new_tokens: int
         tokens += new[:room]
         stats.record(proposal, a, len(new[:room]))
         position += a + 1
+        if on_tokens is not None:
+            on_tokens(new[:room])
     return tokens

@@ -1,0 +1,312 @@
+"""The server as a fleet runs it: `python -m nxdi_voxtral serve --artifacts .../current` in a subprocess on a
+loopback port, driven by real HTTP clients (the openai package, httpx). Every transcript is compared with the
+Python API's on the same weights; hot swap goes through `artifacts deploy`; the tests end with SIGTERM."""
+import json
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from artifacts.__main__ import deploy, main as artifacts_main, pack, switch_link
+from compile.build import build
+from nxdi_voxtral import Buckets, NxDVoxtralSpecDec
+from nxdi_voxtral.manifest import file_entries, weight_files, write_manifest
+from nxdi_voxtral.synthetic import demo_dirs, write_random_checkpoint
+
+from serve_helpers import Server, noise, sse_events, wav_bytes
+
+B = Buckets(audio_chunks=(1,), kv_lengths=(512, 1024))
+QUICK = 16    # tokens for most requests
+LONG = 400    # the server's cap: a request that is still generating when the test acts on it
+CLIP = wav_bytes(noise(2.0, seed=3))
+
+
+def with_weights(src: Path, dst: Path, weights_dir: Path) -> Path:
+    """A second release of the same graphs with other weights (the CPU programs take the weights as their first
+    argument, so this is what compile.build would write for that checkpoint): its transcripts differ, so a
+    response that mixed versions would show."""
+    shutil.copytree(src, dst)
+    shutil.copy(weights_dir / "model.safetensors", dst / "weights/target/model.safetensors")
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["weights"]["target"]["files"] = file_entries(dst, weight_files(dst / "weights/target"))
+    write_manifest(dst, manifest)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    demo = demo_dirs()
+    build(demo["target"], root / "v1", tp=1, buckets=B, pack_weights=True)
+    other = write_random_checkpoint(root / "other_weights", seed=7)
+    v2 = with_weights(root / "v1", root / "v2", other)
+    dest = root / "fleet"
+    deploy(pack(root / "v1", root / "v1.tar"), dest)
+    return {"root": root, "dest": dest, "v2_tar": pack(v2, root / "v2.tar"), "v1": root / "v1",
+            "weights": {"v1": demo["target"], "v2": other}}
+
+
+@pytest.fixture(scope="module")
+def refs(fleet):
+    """The Python API's transcripts of CLIP (QUICK tokens) with each release's weights."""
+    out = {}
+    for name, weights in fleet["weights"].items():
+        m = NxDVoxtralSpecDec.from_pretrained(weights, buckets=B)
+        out[name] = m.transcribe(noise(2.0, seed=3), sampling_rate=16000, max_new_tokens=QUICK).text
+    assert out["v1"] != out["v2"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(fleet, tmp_path_factory):
+    s = Server(["--artifacts", str(fleet["dest"] / "current"), "--queue-depth", "2", "--queue-timeout", "0.3",
+                "--max-upload-mb", "0.25", "--max-new-tokens", str(LONG), "--watch", "0", "--grace", "60"],
+               tmp_path_factory.mktemp("log") / "server.log")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def error_of(r: httpx.Response) -> dict:
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_transcribe_matches_the_python_api(server, refs):
+    r = server.transcribe(CLIP, model="voxtral-mini-3b", max_completion_tokens=QUICK)
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == refs["v1"] and r.headers["x-voxtral-version"] == server.health()["version"]
+    t = server.transcribe(CLIP, response_format="text", max_completion_tokens=QUICK)
+    assert t.headers["content-type"].startswith("text/plain") and t.text == refs["v1"]
+    v = server.transcribe(CLIP, response_format="verbose_json", language="en", max_completion_tokens=QUICK).json()
+    assert v["duration"] == pytest.approx(2.0) and v["language"] == "en" and v["tokens"] == QUICK
+    assert v["speculation"]["target_passes"] == QUICK and v["timings"]["decode_s"] > 0
+
+
+def test_openai_client(server, refs):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["voxtral-mini-3b"]
+    r = client.audio.transcriptions.create(model="voxtral-mini-3b", file=("clip.wav", CLIP, "audio/wav"),
+                                           extra_body={"max_completion_tokens": QUICK})
+    assert r.text == refs["v1"]
+    v = client.audio.transcriptions.create(model="voxtral-mini-3b", file=("clip.wav", CLIP, "audio/wav"),
+                                           response_format="verbose_json", extra_body={"max_completion_tokens": QUICK})
+    assert v.text == refs["v1"] and v.duration == pytest.approx(2.0)
+    with pytest.raises(openai.UnprocessableEntityError, match="temperature"):
+        client.audio.transcriptions.create(model="voxtral-mini-3b", file=("clip.wav", CLIP, "audio/wav"),
+                                           temperature=0.7)
+
+
+def stream(server, audio=CLIP, **fields):
+    data = {"stream": "true", **{k: str(v) for k, v in fields.items()}}
+    with server.client.stream("POST", "/v1/audio/transcriptions", files={"file": ("c.wav", audio, "audio/wav")},
+                              data=data) as r:
+        return r, sse_events(r.iter_lines())
+
+
+def test_streaming_deltas_add_up_to_the_transcript(server, refs):
+    r, events = stream(server, max_completion_tokens=QUICK, stream_include_usage="true")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "[DONE]" and all(e["object"] == "transcription.chunk" for e in events[:-1])
+    deltas = [e["choices"][0]["delta"]["content"] for e in events[:-3]]
+    assert len(deltas) > 1 and "".join(deltas) == refs["v1"]
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == QUICK
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, refs):
+    cases = [
+        (server.transcribe(b"this is not audio at all"), 400, "invalid_audio", "file"),
+        (server.transcribe(b""), 400, "invalid_audio", "file"),
+        (server.transcribe(wav_bytes(np.full(16000, np.nan, np.float32), subtype="FLOAT")), 400, "invalid_audio",
+         "file"),
+        (server.transcribe(CLIP, language="xx"), 400, "invalid_language", "language"),
+        (server.transcribe(wav_bytes(noise(10.0))), 413, "upload_too_large", "file"),           # 320 kB > 0.25 MiB
+        (server.transcribe(wav_bytes(np.zeros(16000 * 40, np.float32), fmt="FLAC")), 413, "audio_too_long", "file"),
+        (server.transcribe(CLIP, content_type="text/plain"), 415, "unsupported_media_type", "file"),
+        (server.client.post("/v1/audio/transcriptions", json={"file": "x"}), 415, "unsupported_media_type", None),
+        (server.transcribe(CLIP, temperature=0.2), 422, "unsupported_value", "temperature"),
+        (server.transcribe(CLIP, response_format="srt"), 422, "invalid_value", "response_format"),
+        (server.transcribe(CLIP, model="whisper-1"), 404, "model_not_found", "model"),
+        (server.client.post("/v1/audio/transcriptions", files={"other": ("a", b"x")}), 400, "missing_field", "file"),
+    ]
+    for r, status, code, param in cases:
+        err = error_of(r)
+        assert (r.status_code, err["code"], err["param"]) == (status, code, param), err
+    assert "30 s" in error_of(cases[5][0])["message"]  # names the largest audio bucket
+    # a chunked upload (no Content-Length) is counted while it is read
+    req = httpx.Request("POST", "http://x", files={"file": ("a.wav", wav_bytes(noise(10.0)), "audio/wav")})
+    body = req.read()
+    chunks = iter([body[i:i + 65536] for i in range(0, len(body), 65536)])
+    r = server.client.post("/v1/audio/transcriptions", content=chunks,
+                           headers={"content-type": req.headers["content-type"]})
+    assert r.status_code == 413 and error_of(r)["code"] == "upload_too_large"
+    assert server.transcribe(CLIP, max_completion_tokens=QUICK).json()["text"] == refs["v1"]
+
+
+def raw_post(server, body: bytes, headers: dict, send_bytes: int, read=True) -> bytes:
+    """Send only the first `send_bytes` of `body` on a raw socket (a truncated upload)."""
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(f"POST /v1/audio/transcriptions HTTP/1.1\r\nhost: x\r\n{head}\r\n".encode() + body[:send_bytes])
+        if not read:
+            return b""
+        s.shutdown(socket.SHUT_WR)
+        return s.recv(65536)
+
+
+def test_truncated_uploads(server, refs):
+    req = httpx.Request("POST", "http://x", files={"file": ("a.wav", CLIP, "audio/wav")}, data={"model": "m"})
+    body = req.read()
+    headers = {"content-type": req.headers["content-type"], "content-length": str(len(body))}
+    # the multipart body ends before its closing boundary, Content-Length consistent with what was sent
+    cut = len(body) - 30
+    reply = raw_post(server, body[:cut], {**headers, "content-length": str(cut)}, cut)
+    assert reply.startswith(b"HTTP/1.1 400") and b'"error"' in reply
+    # the client sends half of what Content-Length announced and closes the connection
+    raw_post(server, body, headers, len(body) // 2, read=False)
+    assert server.transcribe(CLIP, max_completion_tokens=QUICK).json()["text"] == refs["v1"]
+    assert server.metric("voxtral_queue_depth") == 0 and server.metric("voxtral_running") == 0
+
+
+def test_admission_queue_full_and_wait_timeout_get_503_with_retry_after(server):
+    """One request runs, `--queue-depth 2` wait at most `--queue-timeout 0.3` s, the rest are refused at once."""
+    results = []
+
+    def client():
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            results.append(server.transcribe(CLIP, client=c))  # LONG tokens: much longer than 0.3 s
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted((r.status_code, error_of(r)["code"] if r.status_code != 200 else "") for r in results)
+    assert codes.count((200, "")) >= 1 and all(c in {(200, ""), (503, "queue_full"), (503, "queue_timeout")}
+                                                for c in codes), codes
+    assert (503, "queue_full") in codes and (503, "queue_timeout") in codes, codes
+    assert all(int(r.headers["retry-after"]) >= 1 for r in results if r.status_code == 503)
+    assert server.metric("voxtral_queue_depth") == 0
+    assert server.metric("voxtral_rejected_total", reason="queue_full") >= 1
+
+
+def test_a_client_that_disconnects_frees_its_slot(server, refs):
+    before = server.metric("voxtral_cancelled_total")
+    with server.client.stream("POST", "/v1/audio/transcriptions", files={"file": ("c.wav", CLIP, "audio/wav")},
+                              data={"stream": "true"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # the first delta: LONG - 1 tokens are still to come; leave now
+    deadline = time.time() + 60
+    while server.metric("voxtral_cancelled_total") == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.metric("voxtral_cancelled_total") == before + 1  # generation stopped mid-request
+    # and one that leaves a non-streaming request while it runs
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(120, read=0.5)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            server.transcribe(CLIP, client=impatient)
+    while server.metric("voxtral_cancelled_total") == before + 1 and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.metric("voxtral_cancelled_total") == before + 2
+    assert server.transcribe(CLIP, max_completion_tokens=QUICK).json()["text"] == refs["v1"]
+
+
+def wait_swap(server, previous: dict, timeout=180) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        last = server.health()["last_swap"]
+        if last != previous:
+            return last
+        time.sleep(0.2)
+    raise TimeoutError(server.log()[-3000:])
+
+
+def test_hot_swap_under_traffic_rollback_and_refused_versions(server, fleet, refs):
+    dest, v1_id = fleet["dest"], server.health()["version"]
+    seen, stop = [], threading.Event()
+
+    def traffic():
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            while not stop.is_set() and len(seen) < 200:
+                r = server.transcribe(CLIP, client=c, max_completion_tokens=QUICK)
+                seen.append((r.status_code, r.headers.get("x-voxtral-version"), r.text))
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        assert artifacts_main(["deploy", str(fleet["v2_tar"]), "--to", str(dest)]) == 0
+        server.proc.send_signal(signal.SIGHUP)
+        swap = wait_swap(server, {})
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        t.join()
+    assert swap["result"] == "ok" and swap["previous"] == v1_id, swap
+    v2_id = swap["version"]
+    assert server.health()["version"] == v2_id
+    expected = {v1_id: refs["v1"], v2_id: refs["v2"]}
+    assert all(code == 200 for code, _, _ in seen) and {v for _, v, _ in seen} == {v1_id, v2_id}
+    assert all(json.loads(text)["text"] == expected[v] for _, v, text in seen)  # none mixed
+    assert server.metric("voxtral_artifact_info", version=v2_id, path=swap["path"], source="artifacts") == 1
+
+    # a release that fails verification (a flipped byte) and one that verifies but fails warm-up (a graph program
+    # for the wrong bucket): both refused, v2 stays live and keeps serving
+    bad = fleet["root"] / "bad_hash"
+    shutil.copytree(fleet["v1"], bad)
+    data = bytearray((bad / "graphs/token_generation.1024.rank0.pt2").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "graphs/token_generation.1024.rank0.pt2").write_bytes(bytes(data))
+    bad_warm = fleet["root"] / "bad_warm"
+    shutil.copytree(fleet["v1"], bad_warm)
+    shutil.copy(bad_warm / "graphs/token_generation.512.rank0.pt2", bad_warm / "graphs/token_generation.1024.rank0.pt2")
+    write_manifest(bad_warm, json.loads((bad_warm / "manifest.json").read_text()))
+    assert artifacts_main(["verify", str(bad_warm)]) == 0
+    previous_link = os.readlink(dest / "current")
+    for broken, match in ((bad, "sha256 mismatch"), (bad_warm, "shape")):
+        switch_link(dest, "current", str(broken))
+        before = server.health()["last_swap"]
+        server.proc.send_signal(signal.SIGHUP)
+        refused = wait_swap(server, before)
+        assert refused["result"] == "refused" and match in refused["error"], refused
+        assert server.health()["version"] == v2_id
+        assert server.transcribe(CLIP, max_completion_tokens=QUICK).json()["text"] == refs["v2"]
+    assert server.metric("voxtral_swaps_total", result="refused") == 2
+    switch_link(dest, "current", previous_link)
+
+    # `artifacts deploy --rollback` goes through the same path
+    assert artifacts_main(["deploy", "--to", str(dest), "--rollback"]) == 0
+    before = server.health()["last_swap"]
+    server.proc.send_signal(signal.SIGHUP)
+    back = wait_swap(server, before)
+    assert back["result"] == "ok" and back["version"] == v1_id
+    assert server.transcribe(CLIP, max_completion_tokens=QUICK).json()["text"] == refs["v1"]
+
+
+def test_sigterm_finishes_the_request_in_flight_then_exits(server):
+    done = {}
+
+    def long_request():
+        done["r"], done["events"] = stream(server)  # LONG tokens
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.time() + 60
+    while server.metric("voxtral_running") == 0 and time.time() < deadline:
+        time.sleep(0.02)
+    server.proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    events = done["events"]
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health/live", timeout=5)
+    assert "stopped" in server.log()
