@@ -88,15 +88,13 @@ def serve(args) -> int:
 
     def watch():
         while not stop.wait(args.watch):
-            if host.ready and host.source.resolve() != host.live.version.path:
-                host.swap("watch")
-
-    def swap_in_background(reason):
-        threading.Thread(target=host.swap, args=(reason,), name="swap", daemon=True).start()
+            live = host.live
+            if host.ready and live is not None and host.source.resolve() != live.version.path:
+                host.request_swap("watch").result()
 
     def on_startup(loop):
-        loop.add_signal_handler(signal.SIGHUP, swap_in_background, "sighup")
-        threading.Thread(target=load_first, name="load", daemon=True).start()
+        loop.add_signal_handler(signal.SIGHUP, host.request_swap, "sighup")
+        host.loader.submit(load_first)
         if args.artifacts and args.watch > 0:
             threading.Thread(target=watch, name="watch", daemon=True).start()
 

@@ -161,6 +161,9 @@ class Host:
     def __init__(self, source: Source, metrics, max_new_tokens: int = 448):
         self.source, self.metrics, self.max_new_tokens = source, metrics, max_new_tokens
         self.device = ThreadPoolExecutor(1, thread_name_prefix="device")
+        # Loads run on one long-lived thread: rank workers get SIGTERM when the *thread* that started them exits
+        # (PR_SET_PDEATHSIG follows the thread), so a model must never be opened from a short-lived thread.
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="loader")
         self.live: Loaded | None = None
         self.state = "starting"  # starting | ready | recovering | stopping | failed
         self.load_lock = threading.Lock()  # one load (start-up, swap or recovery) at a time
@@ -185,8 +188,11 @@ class Host:
             self.metrics.set_version(loaded.version)
             self._set_state("ready")
 
+    def request_swap(self, reason: str) -> Future:
+        return self.loader.submit(self.swap, reason)
+
     def swap(self, reason: str) -> dict:
-        """Load, verify and warm what the source points at now beside the live version, then switch between two
+        """On the loader thread: load, verify and warm what the source points at now beside the live version, then switch between two
         requests. A version that fails any step is refused (logged, counted) and the live one stays."""
         with self.load_lock:
             live = self.live.version if self.live else None
@@ -209,7 +215,11 @@ class Host:
                 log.error("hot swap refused %s (%s): %s: %s; %s stays live", resolved, version.id,
                           type(e).__name__, e, live.id)
                 return self.last_swap
-            old = self.device.submit(self._switch, new).result()  # runs between two requests
+            try:
+                old = self.device.submit(self._switch, new).result()  # runs between two requests
+            except RuntimeError:  # shutting down
+                new.model.close()
+                return {"result": "skipped", "reason": "stopping"}
             if old is not None:
                 old.model.close()
             self.metrics.swaps.labels("ok").inc()
@@ -241,11 +251,12 @@ class Host:
         log.warning("rank workers restarted, %s live again after %.1f s", self.live.version.id,
                     time.perf_counter() - t0)
 
-    def close(self, grace_s: float = 5.0) -> None:
+    def close(self) -> None:
         """Stop: cancel what still runs (uvicorn already waited the grace period), stop the rank workers."""
         self._set_state("stopping")
         for job in list(self.active):
             job.cancel.set()
+        self.loader.shutdown(wait=True, cancel_futures=True)
         self.device.shutdown(wait=True, cancel_futures=True)
         if self.live is not None:
             self.live.model.close()
@@ -281,8 +292,9 @@ class Host:
         log.error("a tensor-parallel rank died mid-request (%s: %s); reopening %s", type(error).__name__,
                   str(error).splitlines()[0] if str(error) else "", loaded.version.id)
         self.device.submit(self._recover, loaded)
-        raise WorkerDied("a tensor-parallel rank worker died during this request; the model is being restarted, "
-                         "retry") from error
+        cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise WorkerDied(f"a tensor-parallel rank worker died during this request ({cause}); the model is being "
+                         f"restarted, retry") from error
 
     def _transcribe(self, loaded: Loaded, job: Job) -> Result:
         m, t0 = loaded.model, time.perf_counter()
