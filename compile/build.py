@@ -23,15 +23,57 @@ from nxdi_voxtral.manifest import SCHEMA_VERSION, file_entries, host_versions, w
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+BUCKET_KEYS = {"audio": "audio_chunks", "kv": "kv_lengths"}
+
+
 def parse_buckets(text: str | None) -> Buckets:
+    """'audio=1,2:kv=512,1024' -> Buckets; a ConfigError names the part that is wrong."""
     if not text:
         return Buckets()
-    parts = dict(p.split("=", 1) for p in text.split(":"))
-    try:
-        return Buckets(audio_chunks=tuple(int(x) for x in parts.get("audio", "1,2,4,10").split(",")),
-                       kv_lengths=tuple(int(x) for x in parts.get("kv", "512,1024,2048,4096,8192").split(",")))
-    except ValueError:
-        raise ConfigError(f"--buckets {text!r}: expected e.g. audio=1,2:kv=512,1024") from None
+    example = "expected e.g. audio=1,2,4:kv=512,1024"
+    values = {}
+    for part in text.split(":"):
+        key, eq, vals = part.partition("=")
+        if not eq:
+            raise ConfigError(f"--buckets {text!r}: {part!r} has no '=': {example}")
+        if key not in BUCKET_KEYS:
+            raise ConfigError(f"--buckets {text!r}: unknown key {key!r} (known: {', '.join(BUCKET_KEYS)}); {example}")
+        if key in values:
+            raise ConfigError(f"--buckets {text!r}: {key} given twice")
+        try:
+            nums = tuple(int(x) for x in vals.split(","))
+        except ValueError:
+            raise ConfigError(f"--buckets {text!r}: {key}={vals!r} is not a comma-separated list of integers") from None
+        if any(n < 1 for n in nums) or list(nums) != sorted(set(nums)):
+            raise ConfigError(f"--buckets {text!r}: {key} sizes must be positive and strictly increasing, got {vals}")
+        values[BUCKET_KEYS[key]] = nums
+    return Buckets(**values)
+
+
+def check_build_args(model, out: Path, tp) -> None:
+    """Everything cheap, before any weight is loaded or any rank process starts."""
+    from nxdi_voxtral.config import VoxtralConfig
+    from nxdi_voxtral.tp import layout
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"--out {out}: exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
+        raise ArtifactError(f"{out}: exists and is not empty; choose a new --out (or --force to replace a build)")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"--tp must be a positive integer, got {tp!r}")
+    cfg = VoxtralConfig.from_dir(model)
+    layout(cfg.text, cfg.audio, tp, 0)  # a tp that does not divide the heads: refused before workers start
+
+
+def clear_earlier_build(out: Path) -> None:
+    """--force: remove an earlier build's output (complete, or a failed one's leftovers) and nothing else."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ArtifactError(f"--out {out}: exists and is not a directory; --force only replaces a build directory")
+    if any(out.iterdir()) and not ((out / "manifest.json").is_file() or (out / "graphs").is_dir()):
+        raise ArtifactError(f"--out {out}: not a build output (no manifest.json or graphs/); --force refuses to "
+                            f"delete it")
+    shutil.rmtree(out)
 
 
 def default_backend() -> str:
@@ -48,8 +90,7 @@ def build(model, out, draft=None, draft_kind=None, k=None, tp=1, buckets=None, d
     from nxdi_voxtral.workers import RankWorkers
     backend = backend or default_backend()
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ArtifactError(f"{out}: exists and is not empty; choose a new --out")
+    check_build_args(model, out, tp)
     if backend == "neuron":
         from nxdi_voxtral.neuron import compile_neuron
         return compile_neuron(model, out, draft, draft_kind, k, tp, buckets, dtype)
@@ -109,11 +150,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--backend", choices=["neuron", "cpu"])
     ap.add_argument("--pack-weights", action="store_true", help="copy the checkpoint(s) into the artifact")
+    ap.add_argument("--force", action="store_true", help="replace --out if it holds an earlier (or failed) build")
     a = ap.parse_args(argv)
+    out = Path(a.out)
+    fresh = not out.exists() or (out.is_dir() and not any(out.iterdir()))
     try:
-        build(a.model, a.out, a.draft, a.draft_kind, a.num_speculative_tokens, a.tp, parse_buckets(a.buckets),
-              DTYPES[a.dtype], a.backend, a.pack_weights)
-    except VoxtralError as e:
+        buckets = parse_buckets(a.buckets)
+        if a.force:
+            clear_earlier_build(out)
+            fresh = True
+        build(a.model, out, a.draft, a.draft_kind, a.num_speculative_tokens, a.tp, buckets, DTYPES[a.dtype],
+              a.backend, a.pack_weights)
+    except BaseException as e:
+        if fresh and out.is_dir() and not (out / "manifest.json").is_file():
+            shutil.rmtree(out, ignore_errors=True)  # a failed build leaves nothing that blocks the retry
+        if not isinstance(e, VoxtralError):
+            raise
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     return 0

@@ -12,11 +12,11 @@ from . import generate as gen
 from .config import VoxtralConfig
 from .contract import ContractViolation, check_distinct_signatures, signature
 from .engine import Engine, build_engine, check_request
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, ModelClosedError
 from .graphs import Buckets, GraphSetup, example_inputs, graph_plan
 from .tp import layout
 from .workers import RankWorkers
-from .processing import build_prompt, decode, load_audio, load_tokenizer
+from .processing import HOP, SAMPLE_RATE, build_prompt, decode, load_audio, load_tokenizer
 from .speculative import DFlashDrafter, LayerDrafter, NgramDrafter, SpecStats
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class NxDVoxtralSpecDec:
         self.tokenizer, self.setup, self.engine, self.workers = tokenizer, setup, engine, workers
         self.cfg, self.buckets, self.model_dir = setup.cfg, setup.buckets, model_dir
         self.model = engine.model if engine else None
+        self.closed = False
         self.draft = engine.draft if engine else None
         self.signatures = {(s.tag, s.bucket): signature(example_inputs(s, setup)) for s in graph_plan(setup)}
         check_distinct_signatures(self.signatures)
@@ -48,8 +49,12 @@ class NxDVoxtralSpecDec:
     @classmethod
     def from_pretrained(cls, model_dir, draft=None, draft_kind: str | None = None,
                         num_speculative_tokens: int | None = None, dtype: torch.dtype = torch.float32,
-                        buckets: Buckets | None = None, tp_degree: int = 1):
+                        buckets: Buckets | None = None, tp_degree: int = 1, call_timeout_s: float | None = None):
+        """call_timeout_s (tp_degree > 1): limit of one graph call before a silent rank is reported (WorkerError);
+        default NXDI_VOXTRAL_CALL_TIMEOUT_S or 600 s, 0 for none."""
         draft_kind = check_request(draft, draft_kind, dtype)
+        if draft is not None and draft_kind == "ngram":
+            raise ConfigError(f"draft_kind='ngram' uses no draft checkpoint, but draft={str(draft)!r} was given")
         cfg = VoxtralConfig.from_dir(model_dir)
         tokenizer = load_tokenizer(model_dir)
         n_words = tokenizer.instruct_tokenizer.tokenizer.n_words
@@ -64,7 +69,7 @@ class NxDVoxtralSpecDec:
             engine = build_engine(**kwargs)
             return cls(tokenizer, engine.setup, engine=engine, model_dir=model_dir)
         layout(cfg.text, cfg.audio, tp_degree, 0)  # tp that does not divide the heads: fail before spawning
-        workers = RankWorkers(tp_degree, kwargs)
+        workers = RankWorkers(tp_degree, kwargs, call_timeout_s)
         return cls(tokenizer, workers.setup, workers=workers, model_dir=model_dir)
 
     @classmethod
@@ -93,6 +98,7 @@ class NxDVoxtralSpecDec:
 
     def close(self) -> None:
         """Stop the rank worker processes (tp_degree > 1); also done at garbage collection and interpreter exit."""
+        self.closed = True
         if self.workers is not None:
             self.workers.close()
 
@@ -108,6 +114,8 @@ class NxDVoxtralSpecDec:
 
     def run(self, tag: str, bucket: int, *inputs):
         """Call one graph. Inputs must have exactly the declared shapes: what a compiled graph would accept."""
+        if self.closed:
+            raise ModelClosedError("the model is closed (close() was called); create a new one")
         if signature(inputs) != self.signatures[(tag, bucket)]:
             raise ContractViolation(f"{tag}[{bucket}] called with shapes {signature(inputs)}, "
                                     f"compiled for {self.signatures[(tag, bucket)]}")
@@ -122,7 +130,14 @@ class NxDVoxtralSpecDec:
         called with the newly emitted ids as the host loop accepts them (streaming); an exception it raises
         stops generation."""
         s = self.setup
-        gen.check_capacity(input_ids.shape[-1], max_new_tokens + s.k + s.dflash_block, self.buckets)
+        input_ids, input_features = self.check_inputs(input_ids, input_features)
+        gen.check_capacity(input_ids.shape[-1], max_new_tokens, self.buckets)
+        room = s.k + s.dflash_block  # slots a verify / draft block may write past the last emitted token
+        if room and input_ids.shape[-1] + max_new_tokens + room > self.buckets.kv_lengths[-1]:
+            block = f" + DFlash block {s.dflash_block}" if s.dflash_block else ""
+            raise ConfigError(f"prompt ({input_ids.shape[-1]} tokens) + max_new_tokens ({max_new_tokens}) + "
+                              f"speculation room (K={s.k}{block}) exceeds the largest KV bucket "
+                              f"({self.buckets.kv_lengths[-1]}); lower K or max_new_tokens, or add a larger kv bucket")
         stats = SpecStats(s.draft_kind or "none", s.k)
         t0 = time.perf_counter()
         first, position, drafter = self.prefill(input_ids, input_features, stats)
@@ -144,6 +159,31 @@ class NxDVoxtralSpecDec:
         ids_out = torch.tensor([tokens], dtype=torch.long)
         return (ids_out, stats) if return_stats else ids_out
 
+    def check_inputs(self, input_ids, input_features):
+        """Tensors (lists / numpy arrays converted) of the right kinds: integer ids inside the vocabulary, finite
+        floating-point features. Shapes are checked by gen.prepare_prefill."""
+        import numpy as np
+        if isinstance(input_ids, (list, tuple, np.ndarray)):
+            input_ids = torch.as_tensor(np.asarray(input_ids))
+        if isinstance(input_features, np.ndarray):
+            input_features = torch.from_numpy(input_features)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex() \
+                or input_ids.dtype == torch.bool:
+            raise ConfigError(f"input_ids must be an integer tensor (or list / numpy array of ints), got "
+                              f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
+        if input_ids.numel() == 0:
+            raise ConfigError("input_ids is empty")
+        vocab = self.cfg.text.vocab_size
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ConfigError(f"input_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {vocab})")
+        if not isinstance(input_features, torch.Tensor) or not input_features.is_floating_point():
+            raise ConfigError(f"input_features must be a floating-point tensor, got "
+                              f"{getattr(input_features, 'dtype', type(input_features).__name__)}")
+        if not torch.isfinite(input_features).all():
+            raise ConfigError("input_features contains NaN or infinite values")
+        return input_ids, input_features.float()
+
     def prefill(self, input_ids: torch.Tensor, input_features: torch.Tensor, stats: SpecStats):
         """Audio encoder + target prefill + the draft's own prefill -> (first token, its position, drafter)."""
         s = self.setup
@@ -163,17 +203,19 @@ class NxDVoxtralSpecDec:
             drafter = NgramDrafter(s.k)
         return int(first[0]), position, drafter
 
-    def prepare(self, audio, language: str | None = None, sampling_rate: int | None = None):
-        samples = load_audio(audio, sampling_rate)
+    def prepare(self, audio, language: str | None = None, sampling_rate: int | None = None, strict: bool = False):
+        """strict=True refuses a truncated audio file instead of warning (AudioWarning) and using what is present."""
         a = self.cfg.audio
+        max_seconds = self.buckets.audio_chunks[-1] * a.mel_frames_per_chunk * HOP / SAMPLE_RATE
+        samples = load_audio(audio, sampling_rate, max_seconds=max_seconds, strict=strict)
         prompt = build_prompt(self.tokenizer, samples, language, a.num_mel_bins, a.mel_frames_per_chunk)
         self.buckets.chunk_bucket(prompt.input_features.shape[0], self.cfg)  # too long -> AudioTooLongError now
         return prompt
 
     def transcribe(self, audio, language: str | None = None, sampling_rate: int | None = None,
-                   max_new_tokens: int = 256) -> Transcription:
+                   max_new_tokens: int = 256, strict: bool = False) -> Transcription:
         t0 = time.perf_counter()
-        prompt = self.prepare(audio, language, sampling_rate)
+        prompt = self.prepare(audio, language, sampling_rate, strict)
         timings = {"features_s": time.perf_counter() - t0, "audio_s": prompt.duration_s}
         ids, stats = self.generate(prompt.input_ids, prompt.input_features, max_new_tokens, timings, True)
         timings["total_s"] = time.perf_counter() - t0

@@ -27,3 +27,11 @@ class DraftMismatchError(ConfigError):
 
 class ArtifactError(VoxtralError, RuntimeError):
     """Compiled artifacts that are missing, corrupted or built for another host configuration."""
+
+
+class WorkerError(VoxtralError, RuntimeError):
+    """A tensor-parallel rank process failed, died or did not answer in time; the message names the rank."""
+
+
+class ModelClosedError(VoxtralError, RuntimeError):
+    """The model was closed, or its rank processes failed: it cannot run graphs any more; create a new one."""
