@@ -13,6 +13,37 @@ from .errors import VoxtralError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def check_cheap_args(args) -> None:
+    from pathlib import Path
+    from .errors import AudioError, ConfigError
+    from .processing import check_language
+    audio = Path(args.audio)
+    if not audio.exists():
+        raise AudioError(f"{audio}: no such audio file")
+    if audio.is_dir():
+        raise AudioError(f"{audio}: is a directory, not an audio file")
+    check_language(args.language)
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    k = args.num_speculative_tokens
+    if k is not None and k < 1:
+        raise ConfigError(f"-k / --num-speculative-tokens must be a positive integer, got {k}")
+    if args.draft is not None and args.draft_kind == "ngram":
+        raise ConfigError(f"--draft-kind ngram uses no draft checkpoint, but --draft {args.draft} was given")
+
+
+def demo_model() -> dict:
+    import os
+    from .errors import ConfigError
+    from .synthetic import demo_dirs
+    try:
+        return demo_dirs()
+    except OSError as e:
+        where = os.environ.get("NXDI_VOXTRAL_CACHE", "~/.cache/nxdi_voxtral")
+        raise ConfigError(f"cannot create the demo model cache {where} (set NXDI_VOXTRAL_CACHE to a writable "
+                          f"directory): {e.strerror or e}: {e.filename or ''}") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nxdi_voxtral")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -27,6 +58,7 @@ def main(argv=None) -> int:
                    help="proposals per target pass (default: layers 4, dflash block_size-1, ngram 3)")
     t.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     t.add_argument("--json", action="store_true", help="print the result as JSON")
+    t.add_argument("--strict", action="store_true", help="refuse a truncated audio file instead of warning")
     s = sub.add_parser("serve", help="OpenAI-compatible transcription server (see README, Serving)")
     from .serve.cli import add_arguments as add_serve_arguments
     add_serve_arguments(s)
@@ -41,13 +73,13 @@ def main(argv=None) -> int:
             return 2
 
     from .application import NxDVoxtralSpecDec
-    from .synthetic import demo_dirs
     try:
+        check_cheap_args(args)  # before the model loads: a typo must not cost a model load
         model_dir, draft = args.model, args.draft
         if draft is not None and args.draft_kind is None:
             args.draft_kind = "layers"
         if model_dir is None:
-            demo = demo_dirs()
+            demo = demo_model()
             model_dir = demo["target"]
             if draft is None and args.draft_kind in ("layers", "dflash"):
                 draft = demo[args.draft_kind]
@@ -56,7 +88,7 @@ def main(argv=None) -> int:
         m = NxDVoxtralSpecDec.from_pretrained(model_dir, draft=draft, draft_kind=args.draft_kind,
                                               num_speculative_tokens=args.num_speculative_tokens,
                                               dtype=DTYPES[args.dtype])
-        r = m.transcribe(args.audio, language=args.language, max_new_tokens=args.max_new_tokens)
+        r = m.transcribe(args.audio, language=args.language, max_new_tokens=args.max_new_tokens, strict=args.strict)
     except VoxtralError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

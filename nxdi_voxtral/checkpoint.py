@@ -16,7 +16,15 @@ log = logging.getLogger(__name__)
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+        except AttributeError:
+            raise CheckpointError(f"{index}: expected a JSON object with a weight_map") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: no weight_map (tensor name -> shard file) in the index")
+        names = sorted(set(weight_map.values()))
         files = [model_dir / n for n in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -40,6 +48,27 @@ def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+class StateDict(dict):
+    """Our tensor names -> tensors, remembering each one's name in the checkpoint file (for error messages)."""
+
+    def __init__(self, *args, source_keys: dict | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.source_keys = source_keys or {}
+
+    def file_key(self, key: str) -> str:
+        """The checkpoint's name of `key`; for a missing key, its name in the layout the rest of the file uses."""
+        if key in self.source_keys:
+            return self.source_keys[key]
+        theirs = set(self.source_keys.values())
+        hub = any(k.startswith("language_model.model.") for k in theirs)
+        v5 = any(k.startswith("model.language_model.") for k in theirs)
+        if key.startswith("lm_head."):
+            return "language_model." + key if hub else key
+        if key.startswith("language_model."):
+            return "language_model.model." + key[len("language_model."):] if hub else ("model." + key if v5 else key)
+        return "model." + key if v5 else key
+
+
 def convert_hf_to_neuron_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF key layouts -> our module names.
 
@@ -47,8 +76,9 @@ def convert_hf_to_neuron_state_dict(state_dict: dict[str, torch.Tensor]) -> dict
     transformers 5.x in memory:    model.audio_tower.*, model.multi_modal_projector.*, model.language_model.*, lm_head.*
     ours:                          audio_tower.*, multi_modal_projector.*, language_model.*, lm_head.*
     """
-    out = {}
+    out, source_keys = {}, {}
     for k, v in state_dict.items():
+        original = k
         if k.startswith("model."):
             k = k[len("model."):]
         if k.startswith("language_model.lm_head."):
@@ -56,27 +86,43 @@ def convert_hf_to_neuron_state_dict(state_dict: dict[str, torch.Tensor]) -> dict
         elif k.startswith("language_model.model."):
             k = "language_model." + k[len("language_model.model."):]
         out[k] = v
-    return out
+        source_keys[k] = original
+    return StateDict(out, source_keys=source_keys)
 
 
 def check_and_cast(state_dict: dict[str, torch.Tensor], module: torch.nn.Module, dtype: torch.dtype,
                    source: str) -> dict[str, torch.Tensor]:
     """Exactly the module's persistent tensors, with their shapes; a typed error names the first offender."""
     expected = module.state_dict()
+    name = state_dict.file_key if isinstance(state_dict, StateDict) else (lambda k: k)
     missing = [k for k in expected if k not in state_dict]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{source}: tensor {missing[0]!r} is missing{more}")
+        raise CheckpointError(f"{source}: tensor {name(missing[0])!r} is missing{more}")
     out = {}
     for k, ref in expected.items():
         t = state_dict[k]
         if tuple(t.shape) != tuple(ref.shape):
-            raise CheckpointError(f"{source}: tensor {k!r} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+            raise CheckpointError(f"{source}: tensor {name(k)!r} has shape {tuple(t.shape)}, expected "
+                                  f"{tuple(ref.shape)}")
+        if ref.is_floating_point() and not t.is_floating_point():
+            raise CheckpointError(f"{source}: tensor {name(k)!r} has dtype {t.dtype}, expected floating point")
+        if ref.is_floating_point() and not all_finite(t):
+            raise CheckpointError(f"{source}: tensor {name(k)!r} contains NaN or infinite values")
         out[k] = t.to(dtype) if t.is_floating_point() else t
     unused = sorted(set(state_dict) - set(expected))
     if unused:
         log.warning("%s: ignoring %d tensors the model does not use (first: %s)", source, len(unused), unused[0])
     return out
+
+
+def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Cheap: one sum per tensor (NaN / inf propagate); only a non-finite sum, which a finite tensor of huge values
+    could also give, is checked element-wise, in chunks so no tensor-sized mask is allocated."""
+    if torch.isfinite(t.sum()):  # accumulates in fp32 for bf16 / fp16 (an fp16 overflow falls to the exact path)
+        return True
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
 def build_and_load(factory, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, source: str,

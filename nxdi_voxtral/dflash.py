@@ -31,7 +31,12 @@ class DFlashConfig:
         path = Path(draft_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{draft_dir}: no config.json (expected a DFlash draft checkpoint)")
-        d = json.loads(path.read_text())
+        try:
+            d = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(d, dict) or not isinstance(d.get("dflash_config") or {}, dict):
+            raise CheckpointError(f"{path}: expected a JSON object with a dflash_config object")
         dc = d.get("dflash_config") or {}
         missing = [k for k in ("block_size", "num_hidden_layers", "hidden_size") if k not in d]
         missing += [f"dflash_config.{k}" for k in ("target_layer_ids", "mask_token_id") if k not in dc]

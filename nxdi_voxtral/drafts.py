@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import build_and_load, read_safetensors
+from .checkpoint import StateDict, build_and_load, read_safetensors
 from .config import VoxtralConfig
 from .dflash import DFlashConfig, DFlashDraft
 from .errors import CheckpointError, ConfigError, DraftMismatchError
@@ -37,6 +37,8 @@ def load_dflash(draft_dir: str | Path, target: VoxtralConfig, k: int, dtype: tor
         raise ConfigError(f"DFlash draft {draft_dir}: sliding-window layers are not supported")
     if raw.get("attention_bias"):
         raise ConfigError(f"DFlash draft {draft_dir}: attention_bias=true is not supported")
-    sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in read_safetensors(draft_dir).items()}
+    raw_sd = read_safetensors(draft_dir)
+    ours = {k: (k[len("model."):] if k.startswith("model.") else k) for k in raw_sd}
+    sd = StateDict({ours[k]: v for k, v in raw_sd.items()}, source_keys={v: k for k, v in ours.items()})
     factory = lambda comm_: DFlashDraft(cfg, max_len, comm_)  # noqa: E731
     return cfg, build_and_load(factory, sd, dtype, str(draft_dir), tp, rank, comm)

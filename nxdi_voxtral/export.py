@@ -55,7 +55,11 @@ class Program:
     def __init__(self, path: Path, graph: nn.Module, expected_names: list[str]):
         if state_names(graph) != expected_names:
             raise ArtifactError(f"{path.name}: the program's weight/state layout does not match this model")
-        self.module = torch.export.load(str(path)).module()
+        try:
+            self.module = torch.export.load(str(path)).module()
+        except Exception as e:  # a damaged archive surfaces as zip, unpickling or decode errors
+            raise ArtifactError(f"{path.name}: cannot load the exported program ({type(e).__name__}: {e}); the file "
+                                f"is damaged (from_artifacts with verify_hashes=True names it by sha256)") from None
         self.state = state_of(graph)
 
     def __call__(self, *inputs):

@@ -7,6 +7,9 @@ Voxtral processor computes) split into 30 s chunks.
 from __future__ import annotations
 
 import io
+import os
+import re
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -15,10 +18,15 @@ import numpy as np
 import soundfile as sf
 import torch
 
-from .errors import AudioError, CheckpointError, ConfigError
+from .errors import AudioError, AudioTooLongError, CheckpointError, ConfigError
 
 SAMPLE_RATE = 16000
 N_FFT, HOP = 400, 160
+CHUNK_SECONDS = 30.0  # mistral-common pads audio to multiples of 30 s: one audio chunk
+
+
+class AudioWarning(UserWarning):
+    """Audio that is used but looks damaged (a truncated file)."""
 
 
 @dataclass
@@ -42,6 +50,11 @@ def load_tokenizer(model_dir: str | Path):
     return tok
 
 
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384000  # outside this a header is broken (or it is not speech audio)
+INT_PCM_SCALE = {np.dtype(np.int8): 2.0 ** 7, np.dtype(np.int16): 2.0 ** 15, np.dtype(np.int32): 2.0 ** 31}
+_TRUNCATED = re.compile(r"data\s*:\s*(\d+)\s*\(should be (\d+)\)")  # libsndfile's log of a short data chunk
+
+
 def _to_mono(samples: np.ndarray, what: str) -> np.ndarray:
     if samples.ndim == 1:
         return samples
@@ -51,42 +64,123 @@ def _to_mono(samples: np.ndarray, what: str) -> np.ndarray:
             return samples.mean(axis=1)
         if samples.shape[0] <= 8:
             return samples.mean(axis=0)
-    raise AudioError(f"{what}: expected mono [samples] or multi-channel [samples, channels] audio, "
-                     f"got an array of shape {samples.shape}")
+    raise AudioError(f"{what}: expected mono [samples] or multi-channel audio as [samples, channels] or "
+                     f"[channels, samples] with at most 8 channels, got an array of shape {samples.shape}")
 
 
-def load_audio(audio, sampling_rate: int | None = None) -> np.ndarray:
-    """Path or array -> 16 kHz mono float32. Raises AudioError naming the problem."""
+def _check_rate(sr, what: str) -> None:
+    if not isinstance(sr, (int, np.integer)) or not MIN_SAMPLE_RATE <= sr <= MAX_SAMPLE_RATE:
+        raise AudioError(f"{what}: sample rate {sr!r} Hz is outside {MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz "
+                         f"(a broken header, or not audio this model can use)")
+
+
+def _check_duration(frames: int, sr: int, max_seconds: float | None, what: str, source: str) -> None:
+    if max_seconds is not None and frames / sr > max_seconds:
+        raise AudioTooLongError(f"{what}: {frames / sr:.1f} s of audio ({source}) is too long: the largest audio "
+                                f"bucket holds {max_seconds / CHUNK_SECONDS:g} ({max_seconds:g} s); rebuild with a "
+                                f"larger audio_chunks bucket")
+
+
+def _read_file(path: Path, sampling_rate, max_seconds, strict: bool) -> tuple[np.ndarray, int]:
+    """Duration, rate and integrity from the header first; then decode block by block, mixing down as it goes,
+    so memory is one mono copy however many channels the file has."""
+    what = str(path)
+    if not path.exists():
+        raise AudioError(f"{what}: no such audio file")
+    if path.is_dir():
+        raise AudioError(f"{what}: is a directory, not an audio file")
+    if not os.access(path, os.R_OK):
+        raise AudioError(f"{what}: permission denied (the file is not readable by this user)")
+    try:
+        info = sf.info(what)
+    except Exception as e:
+        raise AudioError(f"{what}: cannot decode as audio ({type(e).__name__}: {e})") from None
+    sr = info.samplerate
+    _check_rate(sr, what)
+    if sampling_rate is not None and sampling_rate != sr:
+        raise AudioError(f"{what}: file is {sr} Hz but sampling_rate={sampling_rate} was given")
+    _check_duration(info.frames, sr, max_seconds, what, "from the file header")
+    short = _TRUNCATED.search(info.extra_info or "")
+    if short:
+        msg = (f"{what}: truncated file: the header announces {short.group(1)} bytes of audio data, "
+               f"{short.group(2)} are present")
+        if strict:
+            raise AudioError(msg)
+        warnings.warn(msg + "; transcribing the part present", AudioWarning, stacklevel=3)
+    max_frames = None if max_seconds is None else int(max_seconds * sr) + 1
+    parts, total = [], 0
+    try:
+        with sf.SoundFile(what) as f:
+            for block in f.blocks(blocksize=1 << 16, dtype="float32", always_2d=True):
+                parts.append(block[:, 0].copy() if block.shape[1] == 1 else block.mean(axis=1, dtype=np.float32))
+                total += len(parts[-1])
+                if max_frames is not None and total > max_frames:  # a header that under-reports the length
+                    _check_duration(total, sr, max_seconds, what, "while decoding")
+    except AudioError:
+        raise
+    except Exception as e:
+        raise AudioError(f"{what}: cannot decode as audio ({type(e).__name__}: {e})") from None
+    return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), sr
+
+
+def _array_samples(audio, sampling_rate) -> np.ndarray:
+    what = "audio array"
+    if sampling_rate is None:
+        raise AudioError("an audio array needs its sampling_rate")
+    samples = audio.numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio)
+    if samples.dtype == np.bool_ or not np.issubdtype(samples.dtype, np.number) or np.iscomplexobj(samples):
+        raise AudioError(f"{what}: samples must be real numbers, got dtype {samples.dtype}")
+    if np.issubdtype(samples.dtype, np.integer):
+        if samples.dtype == np.uint8:  # 8-bit PCM is unsigned, centred on 128
+            return (samples.astype(np.float32) - 128.0) / 128.0
+        if samples.dtype not in INT_PCM_SCALE:
+            raise AudioError(f"{what}: {samples.dtype} samples are ambiguous; pass float32 in [-1, 1] or "
+                             f"int16 / int32 PCM")
+        return (samples.astype(np.float64) / INT_PCM_SCALE[samples.dtype]).astype(np.float32)  # PCM full scale
+    return samples.astype(np.float32, copy=False)
+
+
+def load_audio(audio, sampling_rate: int | None = None, max_seconds: float | None = None,
+               strict: bool = False) -> np.ndarray:
+    """Path or array -> 16 kHz mono float32. Raises AudioError naming the problem.
+
+    Integer PCM arrays are scaled to [-1, 1]. max_seconds (the largest audio bucket) is checked before decoding
+    (file header) or resampling (arrays), so neither the decode nor the resampled output can grow past it. A file
+    whose data chunk is shorter than its header says is transcribed with an AudioWarning, or refused (strict)."""
     if isinstance(audio, (str, Path)):
         what = str(audio)
-        if not Path(audio).is_file():
-            raise AudioError(f"{what}: no such audio file")
-        try:
-            samples, sr = sf.read(str(audio), dtype="float32", always_2d=True)
-        except Exception as e:
-            raise AudioError(f"{what}: cannot decode as audio ({type(e).__name__}: {e})") from None
-        if sampling_rate is not None and sampling_rate != sr:
-            raise AudioError(f"{what}: file is {sr} Hz but sampling_rate={sampling_rate} was given")
+        samples, sr = _read_file(Path(audio), sampling_rate, max_seconds, strict)
     else:
-        what = "audio array"
-        if sampling_rate is None:
-            raise AudioError("an audio array needs its sampling_rate")
-        sr = sampling_rate
-        samples = audio.numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio)
-        if not np.issubdtype(samples.dtype, np.number):
-            raise AudioError(f"{what}: samples must be numbers, got dtype {samples.dtype}")
-        samples = samples.astype(np.float32, copy=False)
-    if not isinstance(sr, (int, np.integer)) or sr <= 0:
-        raise AudioError(f"{what}: invalid sampling rate {sr!r}")
+        what, sr = "audio array", sampling_rate
+        samples = _array_samples(audio, sampling_rate)
+        _check_rate(sr, what)
+        if samples.size:
+            samples = _to_mono(samples, what)
+            _check_duration(len(samples), sr, max_seconds, what, f"{len(samples)} samples at {sr} Hz")
     if samples.size == 0:
         raise AudioError(f"{what}: audio is empty (0 samples)")
-    samples = _to_mono(samples, what)
     if not np.isfinite(samples).all():
         raise AudioError(f"{what}: audio contains NaN or infinite samples")
     if sr != SAMPLE_RATE:
         import soxr
         samples = soxr.resample(samples, sr, SAMPLE_RATE, quality="HQ").astype(np.float32)
+        if samples.size == 0:
+            raise AudioError(f"{what}: too short: nothing is left after resampling {sr} Hz to {SAMPLE_RATE} Hz")
     return np.ascontiguousarray(samples, dtype=np.float32)
+
+
+def check_language(language: str | None) -> None:
+    """ConfigError now for a language mistral-common would refuse later (cheap: no model, no tokenizer)."""
+    if language is None:
+        return
+    from mistral_common.protocol.transcription.request import TranscriptionRequest
+    field = TranscriptionRequest.model_fields["language"]
+    try:
+        from pydantic import TypeAdapter
+        TypeAdapter(field.annotation).validate_python(language)
+    except Exception as e:
+        raise ConfigError(f"invalid language {language!r} (expected an ISO-639-1 code such as en): "
+                          f"{str(e).splitlines()[-1].strip()}") from None
 
 
 @lru_cache(maxsize=4)

@@ -10,7 +10,9 @@ from .generate import I32, cache_mask
 
 @dataclass
 class SpecStats:
-    """target_passes = prefill + verify (and plain decode) passes; tau = mean(accepted + 1) over verify calls."""
+    """target_passes = prefill + verify (and plain decode) passes; tau = tokens emitted per verify call (accepted + 1,
+    except where EOS or max_new_tokens cut the block: what was not emitted is not counted); acceptance_rate =
+    accepted / proposed, cut blocks included (it measures the draft, not the output)."""
     draft_kind: str
     k: int
     target_passes: int = 1
@@ -26,7 +28,7 @@ class SpecStats:
 
     @property
     def tau(self) -> float:
-        verified = [a + 1 for p, a, _ in self.steps if p]
+        verified = [e for p, _, e in self.steps if p]
         return sum(verified) / len(verified) if verified else 0.0
 
     @property

@@ -42,7 +42,7 @@ def check_stats(stats, ids, kind, max_new):
     assert sum(e for _, _, e in steps) == len(ids) - 1
     assert all(e == a + 1 for _, a, e in steps[:-1])  # only the last step may be cut by EOS / max_new_tokens
     assert all(0 <= a <= len(p) <= stats.k for p, a, _ in steps)
-    verified = [a + 1 for p, a, _ in steps if p]
+    verified = [e for p, _, e in steps if p]  # tau counts emitted tokens only (issue 13)
     assert stats.tau == pytest.approx(sum(verified) / len(verified) if verified else 0.0)
     expected_draft_passes = {"layers": 1 + stats.verify_calls, "dflash": 1 + stats.verify_calls, "ngram": 0}
     assert stats.draft_passes == expected_draft_passes[kind]
