@@ -51,24 +51,45 @@ def write_manifest(out: Path, manifest: dict) -> None:
     os.replace(tmp, out / MANIFEST)
 
 
-def verify(art_dir: str | Path, deep: bool = True) -> dict:
+def _check_entries(entries, field: str, path: Path) -> list[dict]:
+    if not isinstance(entries, list):
+        raise ArtifactError(f"{path}: field {field} is missing or not a list")
+    for i, e in enumerate(entries):
+        if not (isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("size"), int)
+                and isinstance(e.get("sha256"), str)):
+            raise ArtifactError(f"{path}: {field}[{i}] must be an object with path, size and sha256")
+    return entries
+
+
+def verify(art_dir: str | Path, deep: bool = True, exact: bool = False) -> dict:
     """Manifest present and readable; every listed file present with its size (and sha256 when deep); external
-    weights unchanged. Raises ArtifactError naming the file or field."""
+    weights unchanged; exact: no file the manifest does not list. Raises ArtifactError naming the file or field."""
     root = Path(art_dir)
     path = root / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{root}: no {MANIFEST} (not an nxdi_voxtral artifact, or an unfinished build)")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{path}: corrupted ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: corrupted (expected a JSON object, got {type(manifest).__name__})")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise ArtifactError(f"{path}: schema_version {manifest.get('schema_version')!r}, this nxdi_voxtral reads "
                             f"{SCHEMA_VERSION}")
-    listed = list(manifest["files"])
+    listed = list(_check_entries(manifest.get("files"), "files", path))
+    weights = manifest.get("weights", {})
+    if not isinstance(weights, dict):
+        raise ArtifactError(f"{path}: field weights is not an object")
     for w in ("target", "draft"):
-        if manifest.get("weights", {}).get(w) and not manifest["weights"][w]["packed"]:
-            listed += manifest["weights"][w]["files"]
+        if weights.get(w) and not weights[w].get("packed", True):
+            listed += _check_entries(weights[w].get("files"), f"weights.{w}.files", path)
+    if exact:
+        known = {os.path.normpath(e["path"]) for e in manifest["files"]} | {MANIFEST}
+        extra = sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                       if not p.is_dir() and str(p.relative_to(root)) not in known)
+        if extra:
+            raise ArtifactError(f"{root}: {len(extra)} file(s) the manifest does not list, first: {extra[0]}")
     for entry in listed:
         p = Path(entry["path"]) if os.path.isabs(entry["path"]) else root / entry["path"]
         if not p.is_file():

@@ -132,8 +132,9 @@ def test_interrupted_deploy_keeps_current_and_rollback(built, tmp_path):
     v2 = deploy(v2_tar, fleet)  # cleans the stale incoming dir
     assert not list(fleet.glob(".incoming-*")) and (fleet / "current").resolve() == v2.resolve()
     assert rollback(fleet) == f"releases/{v1.name}" and (fleet / "current").resolve() == v1.resolve()
-    assert artifacts_main(["deploy", "--to", str(fleet), "--rollback"]) == 0
-    assert (fleet / "current").resolve() == v2.resolve()
+    # rollback walks back through the history (issue 13): v1 is the oldest, so a second one is refused
+    assert artifacts_main(["deploy", "--to", str(fleet), "--rollback"]) == 2
+    assert (fleet / "current").resolve() == v1.resolve()
 
 
 def test_build_cli(spec_dirs, tmp_path, capsys):
