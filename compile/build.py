@@ -76,6 +76,10 @@ def clear_earlier_build(out: Path) -> None:
     shutil.rmtree(out)
 
 
+def progress(msg: str) -> None:
+    print(msg, flush=True)
+
+
 def default_backend() -> str:
     try:
         import neuronx_distributed  # noqa: F401
@@ -91,17 +95,25 @@ def build(model, out, draft=None, draft_kind=None, k=None, tp=1, buckets=None, d
     backend = backend or default_backend()
     out = Path(out)
     check_build_args(model, out, tp)
-    if backend == "neuron":
-        from nxdi_voxtral.neuron import compile_neuron
-        return compile_neuron(model, out, draft, draft_kind, k, tp, buckets, dtype)
-    (out / "graphs").mkdir(parents=True)
     t0 = time.perf_counter()
     kwargs = dict(model_dir=model, draft=draft, draft_kind=draft_kind, k=k, dtype=dtype, buckets=buckets or Buckets())
     print(f"building {model} (draft={draft_kind or 'none'}) for tp={tp}, backend={backend}", flush=True)
-    if tp == 1:
+    lnc = 1
+    if backend == "neuron":
+        from nxdi_voxtral.graphs import graph_plan
+        from nxdi_voxtral.neuron import LNC, compile_neuron
+        engine = build_engine(**kwargs)  # CPU, tp 1: the graph setup, the draft's sharing, the contract check
+        for spec in graph_plan(engine.setup):
+            engine.check_contract(spec)
+        out.mkdir(parents=True, exist_ok=True)
+        setup, graphs, lnc = engine.setup, compile_neuron(engine, model, draft, out, tp, progress), LNC
+        del engine
+    elif tp == 1:
+        (out / "graphs").mkdir(parents=True)
         engine = build_engine(**kwargs)
         setup, graphs = engine.setup, engine.export(str(out / "graphs"), rank=0)
     else:
+        (out / "graphs").mkdir(parents=True)
         workers = RankWorkers(tp, kwargs)
         try:
             setup, graphs = workers.setup, workers.call("export", str(out / "graphs"))[0]
@@ -123,7 +135,7 @@ def build(model, out, draft=None, draft_kind=None, k=None, tp=1, buckets=None, d
                              "files": file_entries(out, [f.resolve() for f in files])}
     total = time.perf_counter() - t0
     manifest = {
-        "schema_version": SCHEMA_VERSION, "backend": backend, "tp": tp, "lnc": 1, "dtype": str(dtype),
+        "schema_version": SCHEMA_VERSION, "backend": backend, "tp": tp, "lnc": lnc, "dtype": str(dtype),
         "draft_kind": setup.draft_kind, "k": setup.k,
         "buckets": {"audio_chunks": list(setup.buckets.audio_chunks), "kv_lengths": list(setup.buckets.kv_lengths),
                     "text_slack": setup.buckets.text_slack},
@@ -133,7 +145,7 @@ def build(model, out, draft=None, draft_kind=None, k=None, tp=1, buckets=None, d
     write_manifest(out, manifest)
     print(f"\n{'graph':<24} {'bucket':>6}  {'seconds':>7}")
     for g in graphs:
-        print(f"{g['tag']:<24} {g['bucket']:>6}  {g['seconds']:7.2f}")
+        print(f"{g['tag']:<24} {g['bucket']:>6}  " + (f"{g['seconds']:7.2f}" if "seconds" in g else "      -"))
     print(f"{len(graphs)} graphs x {tp} rank(s) in {total:.1f} s -> {out}")
     return manifest
 

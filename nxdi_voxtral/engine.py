@@ -13,12 +13,11 @@ from .drafts import check_layer_draft, load_dflash
 from .errors import ConfigError
 from .contract import ContractViolation, check_graph_call
 from .export import Program, export_graph
-from .graphs import DRAFT_KINDS, Buckets, GraphSetup, build_graph, example_inputs, graph_plan
+from .graphs import CACHE_OWNER, DRAFT_KINDS, Buckets, GraphSetup, build_graph, example_inputs, graph_plan
 from .model import VoxtralModel
 
 DEFAULT_K = {"layers": 4, "ngram": 3}
-KV_WRITERS = {"context_encoding", "token_generation", "verify", "draft_context_encoding", "draft_fused_k",
-              "dflash_context", "dflash_draft"}
+KV_WRITERS = {tag for tag, owner in CACHE_OWNER.items() if owner}
 
 
 @dataclass
@@ -27,6 +26,7 @@ class Engine:
     model: VoxtralModel
     draft: object = None
     graphs: dict = field(default_factory=dict)
+    draft_shared: tuple = ()   # SHAREABLE parts the layer draft takes from the target
 
     def run(self, tag: str, bucket: int, *inputs):
         with torch.inference_mode():
@@ -97,6 +97,21 @@ def load_voxtral(model_dir, sd: dict, cfg: VoxtralConfig, dtype, buckets: Bucket
     return build_and_load(factory, sd, dtype, str(model_dir), tp, rank, comm)
 
 
+# what the public pruned draft copies from the target, by checkpoint prefix
+SHAREABLE = {"embed_tokens": ("language_model.embed_tokens.",), "lm_head": ("lm_head.",),
+             "audio": ("audio_tower.", "multi_modal_projector.")}
+
+
+def share_with_target(draft, target, parts) -> None:
+    """One copy of what the draft shares with the target (and one audio encoder run)."""
+    if "embed_tokens" in parts:
+        draft.language_model.embed_tokens = target.language_model.embed_tokens
+    if "lm_head" in parts:
+        draft.lm_head = target.lm_head
+    if "audio" in parts:
+        draft.audio_tower, draft.multi_modal_projector = target.audio_tower, target.multi_modal_projector
+
+
 def same_tensors(a: dict, b: dict, prefixes: tuple[str, ...]) -> bool:
     keys = [k for k in a if k.startswith(prefixes)]
     return keys == [k for k in b if k.startswith(prefixes)] and all(
@@ -124,23 +139,16 @@ def build_engine(model_dir, draft=None, draft_kind=None, k=None, dtype=torch.flo
     buckets.validate(cfg)
     target_sd = convert_hf_to_neuron_state_dict(read_safetensors(model_dir))
     model = load_voxtral(model_dir, target_sd, cfg, dtype, buckets, tp, rank, comm)
-    setup, draft_model = GraphSetup(cfg, buckets, dtype), None
+    setup, draft_model, shared = GraphSetup(cfg, buckets, dtype), None, ()
     if draft_kind == "layers":
         k = DEFAULT_K["layers"] if k is None else k
         draft_cfg = VoxtralConfig.from_dir(draft)
         check_layer_draft(Path(draft), Path(model_dir), draft_cfg, cfg)
         draft_sd = convert_hf_to_neuron_state_dict(read_safetensors(draft))
         draft_model = load_voxtral(draft, draft_sd, draft_cfg, dtype, buckets, tp, rank, comm)
-        # the public pruned draft copies these from the target: share them (one copy, one audio encoder run)
-        lm_d, lm_t = draft_model.language_model, model.language_model
-        if same_tensors(draft_sd, target_sd, ("language_model.embed_tokens.",)):
-            lm_d.embed_tokens = lm_t.embed_tokens
-        if same_tensors(draft_sd, target_sd, ("lm_head.",)):
-            draft_model.lm_head = model.lm_head
-        own_audio = not same_tensors(draft_sd, target_sd, ("audio_tower.", "multi_modal_projector."))
-        if not own_audio:
-            draft_model.audio_tower, draft_model.multi_modal_projector = model.audio_tower, model.multi_modal_projector
-        setup = GraphSetup(cfg, buckets, dtype, "layers", k, draft_own_audio=own_audio)
+        shared = tuple(part for part, prefixes in SHAREABLE.items() if same_tensors(draft_sd, target_sd, prefixes))
+        share_with_target(draft_model, model, shared)
+        setup = GraphSetup(cfg, buckets, dtype, "layers", k, draft_own_audio="audio" not in shared)
     elif draft_kind == "dflash":
         dcfg, draft_model = load_dflash(draft, cfg, k, dtype, buckets.kv_lengths[-1], tp, rank, comm)
         k = dcfg.block_size - 1 if k is None else k
@@ -152,4 +160,4 @@ def build_engine(model_dir, draft=None, draft_kind=None, k=None, dtype=torch.flo
     if draft_kind is not None and (not isinstance(k, int) or k < 1):
         raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
     graphs = {(s.tag, s.bucket): build_graph(s, setup, model, draft_model) for s in graph_plan(setup)}
-    return Engine(setup, model, draft_model, graphs)
+    return Engine(setup, model, draft_model, graphs, shared)

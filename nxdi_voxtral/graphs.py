@@ -78,6 +78,19 @@ class GraphSetup:
         return len(self.capture_layers) * self.cfg.text.hidden_size
 
 
+# The model whose KV cache each graph writes (None: none). On CPU the write is in place; the Neuron graphs also
+# return the cache and alias it to the input state (neuron.py).
+CACHE_OWNER = {"audio_encoder": None, "context_encoding": "target", "token_generation": "target", "verify": "target",
+               "draft_context_encoding": "draft", "draft_fused_k": "draft", "dflash_context": "draft",
+               "dflash_draft": "draft"}
+
+
+def kv_caches(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) of a VoxtralModel or a DFlashDraft."""
+    m = getattr(model, "language_model", model)
+    return m.k_cache, m.v_cache
+
+
 @dataclass(frozen=True)
 class GraphSpec:
     tag: str
