@@ -277,8 +277,9 @@ class RankWorkers:
     def _dead_ranks(self, ranks=None, crashed_only: bool = False) -> list[str]:
         """crashed_only: killed or non-zero status (a rank that reported an error at start-up exits with 0)."""
         ranks = range(self.tp) if ranks is None else ranks
+        gone = [r for r in ranks if self.procs[r].poll() is not None]
         return [f"rank {r} (pid {self.procs[r].pid}) died ({describe_exit(self.procs[r].returncode)})"
-                for r in ranks if self.procs[r].poll() is not None and not (crashed_only and self.procs[r].returncode == 0)]
+                for r in gone if not (crashed_only and self.procs[r].returncode == 0)]
 
     def _fail(self, err: BaseException, kill: bool = True):
         """Close for good (ranks may be stuck in a collective: kill them) and raise err."""

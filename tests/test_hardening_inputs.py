@@ -1,8 +1,6 @@
 """Bad inputs get typed errors that name the file and the problem (issue 13, items 4, 5 and the should-fix list):
 broken checkpoints, hostile audio headers, API arguments of the wrong kind, and CLI arguments refused before the
 model loads."""
-import json
-import shutil
 import struct
 import warnings
 from pathlib import Path
@@ -20,14 +18,9 @@ from nxdi_voxtral.dflash import DFlashConfig
 from nxdi_voxtral.errors import ArtifactError
 from nxdi_voxtral.processing import AudioWarning, load_audio
 
-from conftest import SMALL_BUCKETS, make_cfg, noise
+from conftest import make_cfg, noise
 
 B = Buckets(audio_chunks=(1,), kv_lengths=(512,))
-
-
-def copy_ckpt(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -132,7 +125,8 @@ def test_long_file_refused_from_its_header(tmp_path, monkeypatch):
     monkeypatch.setattr(sf, "read", no_decoding)
     monkeypatch.setattr(sf.SoundFile, "read", no_decoding)
     monkeypatch.setattr(sf.SoundFile, "blocks", no_decoding)
-    with pytest.raises(AudioTooLongError, match=r"3600.0 s of audio \(from the file header\) is too long: the largest audio bucket holds 1 \(30 s\)"):
+    too_long = r"3600.0 s of audio \(from the file header\) is too long: the largest audio bucket holds 1 \(30 s\)"
+    with pytest.raises(AudioTooLongError, match=too_long):
         load_audio(path, max_seconds=30)
 
 
