@@ -14,7 +14,7 @@ from torch import nn
 from .config import VoxtralConfig
 from .errors import AudioTooLongError, ConfigError
 from .model import VoxtralModel, causal_visible, cached_visible
-from kernels.verify_ref import greedy_accept_ref
+from kernels import ops
 
 I32 = torch.int32
 
@@ -216,7 +216,7 @@ class VerifyGraph(nn.Module):
         pos = positions[0]
         h, captured = lm(lm.embed_tokens(candidates.long()), pos, self.kv_len, cached_visible(pos, cache_mask),
                          self.capture_layers)
-        target, accepted, bonus = greedy_accept_ref(candidates, self.model.greedy(h), n_valid)
+        target, accepted, bonus = ops.greedy_accept(candidates, self.model.greedy(h), n_valid)
         out = (target, accepted, bonus)
         return out + (torch.cat(captured, dim=-1),) if captured else out
 

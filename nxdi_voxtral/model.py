@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import AudioEncoderConfig, TextConfig, VoxtralConfig
+from kernels import ops
 from .tp import SINGLE, Comm, Layout, layout, vocab_greedy
+from .tp import ROW_INVARIANT_ROWS
 
 
 # ---------------------------------------------------------------- audio encoder
@@ -112,9 +114,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q [1, Hq, T, D]; k, v [1, Hkv, S, D]; visible [T, S] bool -> [1, T, Hq*D]. GQA without repeating k/v."""
+    """q [1, Hq, T, D]; k, v [1, Hkv, S, D]; visible [T, S] bool -> [1, T, Hq*D]. GQA without repeating k/v.
+
+    Row-invariant on CPU up to ROW_INVARIANT_ROWS queries (as tp.linear): torch's CPU SDPA takes another kernel
+    for T > 1 (flash vs math) and for strided queries, so each query row is its own call of one shape and layout,
+    a contiguous [1, 1, Hq, D] block seen as [1, Hq, 1, D] -- exactly the decode step's call."""
     _, hq, t, d = q.shape
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=hq != k.shape[1])
+    gqa = hq != k.shape[1]
+    if t > ROW_INVARIANT_ROWS or q.device.type != "cpu":
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(1, t, hq * d)
+    rows = [q[:, :, r:r + 1].transpose(1, 2).contiguous().transpose(1, 2) for r in range(t)]
+    out = torch.cat([F.scaled_dot_product_attention(qr, k, v, attn_mask=visible[r:r + 1], enable_gqa=gqa)
+                     for r, qr in enumerate(rows)], dim=2)
     return out.transpose(1, 2).reshape(1, t, hq * d)
 
 
@@ -256,5 +268,4 @@ class VoxtralModel(nn.Module):
         Padding entries of audio_positions point at row T (one past the prompt): a scratch row that is dropped."""
         x = self.language_model.embed_tokens(input_ids.long())[0]
         x = torch.cat([x, x.new_zeros(1, x.shape[1])], dim=0)
-        x = x.index_copy(0, audio_positions.long(), audio_embeds.to(x.dtype))
-        return x[:-1].unsqueeze(0)
+        return ops.splice(x, audio_embeds.to(x.dtype), audio_positions)[:-1].unsqueeze(0)

@@ -74,7 +74,14 @@ class DistComm(Comm):
         self.rank, self.size = rank, size
 
     def all_reduce(self, x):
-        return _waited(funcol.all_reduce(x.contiguous(), "sum", dist.group.WORLD))
+        """Sum over ranks in rank order, accumulated in fp32: gloo's all-reduce splits the tensor into chunks by
+        size and adds them in an order that depends on the chunk, so with tp > 2 a row's sum would change with
+        the row count. Gathering costs tp x the bytes, which for decode / verify activations is nothing."""
+        parts = self.all_gather(x)
+        total = parts[0].float()
+        for r in range(1, self.size):
+            total = total + parts[r].float()
+        return total.to(x.dtype)
 
     def all_gather(self, x):
         return _waited(funcol.all_gather_tensor(x.contiguous(), 0, dist.group.WORLD)).reshape(self.size, *x.shape)
@@ -166,17 +173,23 @@ def shard_tensor(name: str, t: torch.Tensor, lay: Layout) -> torch.Tensor:
     return t
 
 
+ROW_INVARIANT_ROWS = 16  # a verify pass has K+1 <= 16 rows; more rows (prefill) take the fastest kernel
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T. For a few rows on CPU this computes weight @ x.T with at least two columns: torch's CPU
-    matrix-vector path runs on a single thread while matrix-matrix uses every core (about 2x per decode step on
-    2 cores, measured in benchmarks/). Elsewhere, and for many rows, it is F.linear."""
+    """x @ weight.T, row-invariant on CPU up to ROW_INVARIANT_ROWS rows: row j of a K+1-row verify pass gets the
+    bits a 1-row decode step gets for the same input, or a near-tie argmax flips between plain greedy and
+    speculation (in bf16 within ~20 tokens). CPU BLAS picks kernel and reduction order by shape (MKL fp32: one
+    for 2-3 columns, another for >= 4, edge tiles for odd counts), so every row goes through the same call:
+    weight @ [x_a, x_b].T on a fresh [2, in] block, the 1-row case repeating its row. Two columns also avoid
+    torch's single-threaded matrix-vector path. On this CPU fp32 cost grows with columns anyway, so pairs cost
+    about what one wide call did. Many rows, and other devices: F.linear (see README, bf16 exactness)."""
     rows = x.numel() // x.shape[-1]
-    if rows > 16 or x.device.type != "cpu":
+    if rows > ROW_INVARIANT_ROWS or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    x2 = x.reshape(rows, x.shape[-1]).contiguous()
-    if rows == 1:
-        x2 = torch.cat([x2, x2])  # a real [2, in] row-major copy: its transpose view is what BLAS runs fast
-    y = (weight @ x2.T).T[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    x2 = x.reshape(rows, x.shape[-1])
+    pairs = [torch.stack([x2[i], x2[min(i + 1, rows - 1)]]) for i in range(0, rows, 2)]
+    y = torch.cat([(weight @ p.T).T for p in pairs])[:rows].reshape(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
 
 
@@ -222,14 +235,11 @@ class VocabEmbedding(nn.Embedding):
 def vocab_greedy(logits: torch.Tensor, rank: torch.Tensor | None, vocab_size: int, comm: Comm) -> torch.Tensor:
     """Global argmax (first index on ties, as torch.argmax) of vocab-sharded logits [..., V_local] -> int32.
     rank: this rank's SPMDRank weight ([1] int32); the shard starts at rank * V_local."""
+    from kernels import ops  # the rank-local argmax kernel entry point (NKI on Neuron, its torch twin elsewhere)
     if comm.size == 1:
-        return torch.argmax(logits, dim=-1).to(torch.int32)
+        return ops.rank_argmax(logits)[1]
     n_local = logits.shape[-1]
-    start = rank * n_local
-    valid = (start + torch.arange(n_local, dtype=torch.int32, device=logits.device)) < vocab_size
-    logits = torch.where(valid, logits, torch.full_like(logits, float("-inf")))
-    idx = torch.argmax(logits, dim=-1, keepdim=True)
-    best = torch.gather(logits, -1, idx)[..., 0]
-    all_best, all_idx = comm.all_gather(best), comm.all_gather(idx[..., 0].to(torch.int32) + start)
-    winner = torch.argmax(all_best, dim=0, keepdim=True)  # lowest rank among equal maxima = lowest global id
-    return torch.gather(all_idx, 0, winner)[0].to(torch.int32)
+    valid = (rank * n_local + torch.arange(n_local, dtype=torch.int32, device=logits.device)) < vocab_size
+    best, idx = ops.rank_argmax(torch.where(valid, logits, torch.full_like(logits, float("-inf"))))
+    # lowest rank among equal maxima = lowest global id
+    return ops.combine_rank_argmax(comm.all_gather(best), comm.all_gather(idx), n_local)
