@@ -137,6 +137,8 @@ def build(model, out, draft=None, draft_kind=None, k=None, tp=1, buckets=None, d
     manifest = {
         "schema_version": SCHEMA_VERSION, "backend": backend, "tp": tp, "lnc": lnc, "dtype": str(dtype),
         "draft_kind": setup.draft_kind, "k": setup.k,
+        "graph_setup": {"capture_layers": list(setup.capture_layers), "dflash_block": setup.dflash_block,
+                        "draft_own_audio": setup.draft_own_audio},
         "buckets": {"audio_chunks": list(setup.buckets.audio_chunks), "kv_lengths": list(setup.buckets.kv_lengths),
                     "text_slack": setup.buckets.text_slack},
         "config": setup.cfg.to_dict(), "versions": {**host_versions(), "nxdi_voxtral": "0.1.0"},

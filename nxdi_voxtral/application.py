@@ -84,6 +84,13 @@ class NxDVoxtralSpecDec:
         where = lambda role: str(art_dir / w[role]["dir"]) if w[role]["packed"] else w[role]["dir"]  # noqa: E731
         b = manifest["buckets"]
         dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16}[manifest["dtype"]]
+        buckets = Buckets(tuple(b["audio_chunks"]), tuple(b["kv_lengths"]), b["text_slack"])
+        if manifest["backend"] == "neuron":  # model.pt + NxD-sharded weights; the tokenizer from the target dir
+            from .neuron import NeuronEngine
+            g = manifest["graph_setup"]
+            setup = GraphSetup(VoxtralConfig.from_dir(where("target")), buckets, dtype, manifest["draft_kind"],
+                               manifest["k"], tuple(g["capture_layers"]), g["dflash_block"], g["draft_own_audio"])
+            return cls(load_tokenizer(where("target")), setup, engine=NeuronEngine(art_dir, manifest))
         m = cls.from_pretrained(where("target"), draft=where("draft") if "draft" in w else None,
                                 draft_kind=manifest["draft_kind"], dtype=dtype,
                                 num_speculative_tokens=manifest["k"] if manifest["draft_kind"] else None,

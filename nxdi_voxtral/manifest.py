@@ -34,13 +34,11 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def host_versions() -> dict:
     import transformers
-    out = {"torch": torch.__version__, "transformers": transformers.__version__, "neuron_sdk": None}
-    try:
-        import torch_neuronx  # noqa: F401  (only on a Neuron host)
-        out["neuron_sdk"] = getattr(torch_neuronx, "__version__", "unknown")
-    except ImportError:
-        pass
-    return out
+    from kernels.ops import kernel_impl
+    from .neuron import neuron_versions
+    neuron = neuron_versions()  # torch-neuronx, neuronx-cc, NxD, NxDI, nki (None where absent)
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "neuron_sdk": neuron["torch_neuronx"], "neuron": neuron, "kernels": kernel_impl()}
 
 
 def write_manifest(out: Path, manifest: dict) -> None:
@@ -110,8 +108,10 @@ def check_host(manifest: dict, tp_degree: int | None) -> None:
     if manifest["backend"] == "cpu" and manifest["versions"]["torch"] != host["torch"]:
         raise ArtifactError(f"versions.torch: built with torch {manifest['versions']['torch']}, this host has "
                             f"{host['torch']} (exported programs are tied to the torch version)")
-    if manifest["backend"] == "neuron" and manifest["versions"]["neuron_sdk"] != host["neuron_sdk"]:
-        raise ArtifactError(f"versions.neuron_sdk: built with {manifest['versions']['neuron_sdk']}, host has "
-                            f"{host['neuron_sdk']}")
+    if manifest["backend"] == "neuron":  # NEFFs and model.pt are tied to the compiler, NxD and runtime they came from
+        for name, built in manifest["versions"].get("neuron", {}).items():
+            if name != "nki" and built != host["neuron"].get(name):
+                raise ArtifactError(f"versions.neuron.{name}: built with {built}, this host has "
+                                    f"{host['neuron'].get(name)}; rebuild the artifacts on this SDK")
     if tp_degree is not None and tp_degree != manifest["tp"]:
         raise ArtifactError(f"tp: artifacts were built for tp={manifest['tp']}, tp_degree={tp_degree} requested")
