@@ -1,6 +1,10 @@
 """Every graph x bucket x draft kind (and bf16, and a layer draft with its own audio tower) lowers on torch-xla's
 CPU device as exactly one graph: no CPU fallback, no execution while forward() runs, no dynamic shapes; outputs and
 KV caches equal CPU eager (ints exact, floats within fp32 tolerance)."""
+import os
+
+os.environ.setdefault("NXD_LOG_LEVEL", "warning")
+
 import copy
 
 import pytest

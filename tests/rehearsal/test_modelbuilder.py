@@ -2,8 +2,12 @@
 tp 2: every (tag, bucket) reaches neuronx-cc's entry point with its KV caches aliased, no trace-time findings,
 collectives at tp 2 and per-rank weight shards. At tp 1 the HLO modules handed over, replayed on XLA:CPU, drive
 the whole greedy and speculative loop to the CPU backend's tokens."""
-import json
 import os
+
+os.environ.setdefault("NXD_LOG_LEVEL", "warning")
+os.environ["NEURON_REHEARSAL_COMPILE"] = "fake"  # every bucket reaches the compiler boundary
+
+import json
 import traceback
 
 import pytest
