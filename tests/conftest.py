@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -16,11 +17,15 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # tests/rehearsal run only in ../shared/neuron-rehearsal's venv (torch-xla + the real NxD source; `.ci/run` runs
 # them there); elsewhere they are not collected, so they do not count as skipped
+collect_ignore = []
 try:
     import neuron_rehearsal  # noqa: F401
     import torch_xla  # noqa: F401
 except ImportError:
-    collect_ignore = ["rehearsal"]
+    collect_ignore.append("rehearsal")
+# tests/neuron are hardware tests for a trn2 host with the Neuron SDK (README, "verified where")
+if importlib.util.find_spec("torch_neuronx") is None:
+    collect_ignore.append("neuron")
 
 SMALL_BUCKETS = Buckets(audio_chunks=(1, 2), kv_lengths=(512, 1024))
 
