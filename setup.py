@@ -6,7 +6,16 @@ setup(
     description="Voxtral-Mini-3B as fixed-shape graphs for AWS Trainium2 (NxD Inference / TorchNeuron) "
                 "with exact speculative decoding; every graph also runs and is tested on CPU.",
     python_requires=">=3.10",
-    packages=find_packages(include=["nxdi_voxtral*", "kernels*", "compile*", "artifacts*"]),
+    # the repository's kernels/, compile/ and artifacts/ folders install under nxdi_voxtral. (generic top-level names
+    # such as `kernels` belong to other PyPI packages); from a checkout `python -m compile.build` / `-m artifacts`
+    # keep working, and an install gets the console scripts below
+    packages=find_packages(include=["nxdi_voxtral*"]) + ["nxdi_voxtral.kernels", "nxdi_voxtral.compile",
+                                                         "nxdi_voxtral.artifacts"],
+    package_dir={"nxdi_voxtral.kernels": "kernels", "nxdi_voxtral.compile": "compile",
+                 "nxdi_voxtral.artifacts": "artifacts"},
+    entry_points={"console_scripts": ["nxdi-voxtral = nxdi_voxtral.__main__:main",
+                                      "nxdi-voxtral-build = nxdi_voxtral.compile.build:main",
+                                      "nxdi-voxtral-artifacts = nxdi_voxtral.artifacts.__main__:main"]},
     install_requires=[
         # satisfied by the CPU torch 2.13 wheel; install torch first so pip does not pull a CUDA build
         "torch>=2.9,<2.15",

@@ -1,6 +1,6 @@
 """Where the kernel files get `nki`, `nl` and `nisa` from, without importing the Neuron SDK at import time.
 
-Every kernel file starts with `from kernels.nki_api import nki, nl, nisa` and is then written against the real
+Every kernel file starts with `from .nki_api import nki, nl, nisa` and is then written against the real
 NKI 0.6 API (`@nki.jit`, `nl.ndarray`, dst-first `nisa.*`). The three names are lazy stand-ins:
 
 - Importing a kernel file (and its torch twin) never imports `nki`: `nki.jit(fn)` only wraps `fn` in a

@@ -44,7 +44,7 @@ from math import prod
 
 import numpy as np
 
-from kernels import nki_api
+from . import nki_api
 
 PMAX = 128
 FIND8_MIN, FIND8_MAX = 8, 16384

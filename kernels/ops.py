@@ -32,10 +32,10 @@ import os
 
 import torch
 
-from kernels.nki_api import KernelArgumentError, NkiUnavailableError, import_nki
-from kernels.rank_argmax import check_vocab, combine_rank_argmax, rank_argmax_kernel, rank_argmax_torch
-from kernels.splice import check_splice_args, splice_kernel, splice_torch
-from kernels.verify import (check_verify_args, greedy_accept_kernel, greedy_accept_torch, greedy_verify_kernel,
+from .nki_api import KernelArgumentError, NkiUnavailableError, import_nki
+from .rank_argmax import check_vocab, combine_rank_argmax, rank_argmax_kernel, rank_argmax_torch
+from .splice import check_splice_args, splice_kernel, splice_torch
+from .verify import (check_verify_args, greedy_accept_kernel, greedy_accept_torch, greedy_verify_kernel,
                             greedy_verify_torch)
 from nxdi_voxtral.errors import ConfigError
 

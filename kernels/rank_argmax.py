@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.nki_api import KernelArgumentError, nisa, nki, nl
+from .nki_api import KernelArgumentError, nisa, nki, nl
 
 PMAX = 128
 SEG_MAX = 16384      # max8 / nc_find_index8: at most 16384 elements per partition

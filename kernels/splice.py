@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.nki_api import KernelArgumentError, nisa, nki, nl
+from .nki_api import KernelArgumentError, nisa, nki, nl
 
 PMAX = 128
 H_TILE = 8192  # elements of one SBUF row tile (32 KiB fp32 per partition)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.nki_api import KernelArgumentError, nisa, nki, nl
-from kernels.rank_argmax import argmax_rows, check_vocab
-from kernels.verify_ref import greedy_accept_ref, greedy_verify_ref
+from .nki_api import KernelArgumentError, nisa, nki, nl
+from .rank_argmax import argmax_rows, check_vocab
+from .verify_ref import greedy_accept_ref, greedy_verify_ref
 
 PMAX = 128
 

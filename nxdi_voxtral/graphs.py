@@ -14,7 +14,7 @@ from torch import nn
 from .config import VoxtralConfig
 from .errors import AudioTooLongError, ConfigError
 from .model import VoxtralModel, causal_visible, cached_visible
-from kernels import ops
+from .kernels import ops
 
 I32 = torch.int32
 

@@ -34,7 +34,7 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def host_versions() -> dict:
     import transformers
-    from kernels.ops import kernel_impl
+    from .kernels.ops import kernel_impl
     from .neuron import neuron_versions
     neuron = neuron_versions()  # torch-neuronx, neuronx-cc, NxD, NxDI, nki (None where absent)
     return {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import AudioEncoderConfig, TextConfig, VoxtralConfig
-from kernels import ops
+from .kernels import ops
 from .tp import SINGLE, Comm, Layout, layout, vocab_greedy
 from .tp import ROW_INVARIANT_ROWS
 

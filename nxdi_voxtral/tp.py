@@ -235,7 +235,7 @@ class VocabEmbedding(nn.Embedding):
 def vocab_greedy(logits: torch.Tensor, rank: torch.Tensor | None, vocab_size: int, comm: Comm) -> torch.Tensor:
     """Global argmax (first index on ties, as torch.argmax) of vocab-sharded logits [..., V_local] -> int32.
     rank: this rank's SPMDRank weight ([1] int32); the shard starts at rank * V_local."""
-    from kernels import ops  # the rank-local argmax kernel entry point (NKI on Neuron, its torch twin elsewhere)
+    from .kernels import ops  # the rank-local argmax kernel entry point (NKI on Neuron, its torch twin elsewhere)
     if comm.size == 1:
         return ops.rank_argmax(logits)[1]
     n_local = logits.shape[-1]

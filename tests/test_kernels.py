@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.verify_ref import greedy_verify_ref
+from nxdi_voxtral.kernels.verify_ref import greedy_verify_ref
 
 
 def loop_reference(candidates, logits, n_valid):

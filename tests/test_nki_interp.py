@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import nki_api, nki_interp
-from kernels.nki_api import nisa, nki, nl
-from kernels.nki_interp import NkiRuleError, NkiRuntimeError
+from nxdi_voxtral.kernels import nki_api, nki_interp
+from nxdi_voxtral.kernels.nki_api import nisa, nki, nl
+from nxdi_voxtral.kernels.nki_interp import NkiRuleError, NkiRuntimeError
 
 I = nki_interp  # its nl / nisa: arguments built outside kernels (the lazy `nl` would import the SDK)
 

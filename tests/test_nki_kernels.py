@@ -7,10 +7,10 @@ here that parameter is skipped with its reason. Integer outputs are compared bit
 import pytest
 import torch
 
-from kernels import nki_interp
-from kernels.rank_argmax import combine_rank_argmax, describe_plan, rank_argmax_kernel, rank_argmax_torch
-from kernels.splice import splice_kernel, splice_torch
-from kernels.verify import greedy_accept_kernel, greedy_accept_torch, greedy_verify_kernel, greedy_verify_torch
+from nxdi_voxtral.kernels import nki_interp
+from nxdi_voxtral.kernels.rank_argmax import combine_rank_argmax, describe_plan, rank_argmax_kernel, rank_argmax_torch
+from nxdi_voxtral.kernels.splice import splice_kernel, splice_torch
+from nxdi_voxtral.kernels.verify import greedy_accept_kernel, greedy_accept_torch, greedy_verify_kernel, greedy_verify_torch
 
 
 def _real_nki():

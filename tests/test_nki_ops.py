@@ -5,9 +5,9 @@ import sys
 import pytest
 import torch
 
-from kernels import ops
-from kernels.nki_api import KernelArgumentError, NkiUnavailableError
-from kernels.splice import check_splice_args
+from nxdi_voxtral.kernels import ops
+from nxdi_voxtral.kernels.nki_api import KernelArgumentError, NkiUnavailableError
+from nxdi_voxtral.kernels.splice import check_splice_args
 from nxdi_voxtral.contract import BANNED_OPS, OpRecorder
 from nxdi_voxtral.errors import ConfigError
 

@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from kernels import ops
-from kernels.rank_argmax import combine_rank_argmax, rank_argmax_kernel, rank_argmax_torch
-from kernels.splice import splice_kernel, splice_torch
-from kernels.verify import greedy_accept_kernel, greedy_accept_torch, greedy_verify_kernel, greedy_verify_torch
+from nxdi_voxtral.kernels import ops
+from nxdi_voxtral.kernels.rank_argmax import combine_rank_argmax, rank_argmax_kernel, rank_argmax_torch
+from nxdi_voxtral.kernels.splice import splice_kernel, splice_torch
+from nxdi_voxtral.kernels.verify import greedy_accept_kernel, greedy_accept_torch, greedy_verify_kernel, greedy_verify_torch
 
 try:
     import nki as real_nki
