@@ -1,10 +1,12 @@
 """python -m compile.build --model DIR [--draft DIR --draft-kind layers|dflash|ngram -k K] --tp 4
        [--buckets audio=1,2,4,10:kv=512,1024,2048,4096,8192] [--dtype bf16] --out artifacts/NAME
-       [--backend neuron|cpu] [--pack-weights]
+       [--backend neuron|cpu|compiled] [--pack-weights]
 
 Enumerates every graph x bucket (nxdi_voxtral.graphs.graph_plan, the one list), checks the graph contract and
 compiles each: backend `cpu` exports torch programs (one per graph, bucket and rank); backend `neuron` hands the
-same modules to NxD's ModelBuilder (needs the Neuron SDK, see nxdi_voxtral/neuron.py). Writes manifest.json.
+same modules to NxD's ModelBuilder (needs the Neuron SDK, see nxdi_voxtral/neuron.py); backend `compiled` runs
+torch.compile on every graph and rank and keeps the compile caches (inductor's on CPU, TorchNeuron's NEFF cache
+on a Neuron host; see nxdi_voxtral/compiled.py). Writes manifest.json.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from nxdi_voxtral.graphs import Buckets
 from nxdi_voxtral.manifest import SCHEMA_VERSION, file_entries, host_versions, weight_files, write_manifest
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMPILE_CACHE = "compile_cache"  # backend compiled: torch's compile caches, compile_cache/rank{r}/
 
 
 BUCKET_KEYS = {"audio": "audio_chunks", "kv": "kv_lengths"}
@@ -70,7 +73,8 @@ def clear_earlier_build(out: Path) -> None:
         return
     if not out.is_dir():
         raise ArtifactError(f"--out {out}: exists and is not a directory; --force only replaces a build directory")
-    if any(out.iterdir()) and not ((out / "manifest.json").is_file() or (out / "graphs").is_dir()):
+    if any(out.iterdir()) and not ((out / "manifest.json").is_file() or (out / "graphs").is_dir()
+                                   or (out / COMPILE_CACHE).is_dir()):
         raise ArtifactError(f"--out {out}: not a build output (no manifest.json or graphs/); --force refuses to "
                             f"delete it")
     shutil.rmtree(out)
@@ -98,7 +102,7 @@ def build(model, out, draft=None, draft_kind=None, k=None, tp=1, buckets=None, d
     t0 = time.perf_counter()
     kwargs = dict(model_dir=model, draft=draft, draft_kind=draft_kind, k=k, dtype=dtype, buckets=buckets or Buckets())
     print(f"building {model} (draft={draft_kind or 'none'}) for tp={tp}, backend={backend}", flush=True)
-    lnc = 1
+    lnc, compiled = 1, None
     if backend == "neuron":
         from nxdi_voxtral.graphs import graph_plan
         from nxdi_voxtral.neuron import LNC, compile_neuron
@@ -108,6 +112,20 @@ def build(model, out, draft=None, draft_kind=None, k=None, tp=1, buckets=None, d
         out.mkdir(parents=True, exist_ok=True)
         setup, graphs, lnc = engine.setup, compile_neuron(engine, model, draft, out, tp, progress), LNC
         del engine
+    elif backend == "compiled":  # the artifact is torch's compile cache, one directory per rank
+        from nxdi_voxtral.compiled import compile_target
+        target = compile_target()
+        cache = str(out / COMPILE_CACHE)
+        if tp == 1:
+            engine = build_engine(**kwargs)
+            setup, graphs = engine.setup, engine.compile(cache, True)
+        else:
+            workers = RankWorkers(tp, {**kwargs, "process_group": target.process_group})
+            try:
+                setup, graphs = workers.setup, workers.call("compile", cache, True)[0]
+            finally:
+                workers.close()
+        compiled = {"torch_compile_backend": target.backend, "device": target.device, "cache_dir": COMPILE_CACHE}
     elif tp == 1:
         (out / "graphs").mkdir(parents=True)
         engine = build_engine(**kwargs)
@@ -144,6 +162,8 @@ def build(model, out, draft=None, draft_kind=None, k=None, tp=1, buckets=None, d
         "config": setup.cfg.to_dict(), "versions": {**host_versions(), "nxdi_voxtral": "0.1.0"},
         "weights": weights, "graphs": graphs, "build_seconds": total,
     }
+    if compiled:
+        manifest["compile"] = compiled
     write_manifest(out, manifest)
     print(f"\n{'graph':<24} {'bucket':>6}  {'seconds':>7}")
     for g in graphs:
@@ -162,7 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--buckets")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--backend", choices=["neuron", "cpu"])
+    ap.add_argument("--backend", choices=["neuron", "cpu", "compiled"])
     ap.add_argument("--pack-weights", action="store_true", help="copy the checkpoint(s) into the artifact")
     ap.add_argument("--force", action="store_true", help="replace --out if it holds an earlier (or failed) build")
     a = ap.parse_args(argv)

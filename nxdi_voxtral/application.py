@@ -42,6 +42,7 @@ class NxDVoxtralSpecDec:
         self.cfg, self.buckets, self.model_dir = setup.cfg, setup.buckets, model_dir
         self.model = engine.model if engine else None
         self.closed = False
+        self.compile_stats: list[dict] | None = None  # backend "compiled": per graph seconds / cache hits (rank 0)
         self.draft = engine.draft if engine else None
         self.signatures = {(s.tag, s.bucket): signature(example_inputs(s, setup)) for s in graph_plan(setup)}
         check_distinct_signatures(self.signatures)
@@ -49,9 +50,15 @@ class NxDVoxtralSpecDec:
     @classmethod
     def from_pretrained(cls, model_dir, draft=None, draft_kind: str | None = None,
                         num_speculative_tokens: int | None = None, dtype: torch.dtype = torch.float32,
-                        buckets: Buckets | None = None, tp_degree: int = 1, call_timeout_s: float | None = None):
+                        buckets: Buckets | None = None, tp_degree: int = 1, call_timeout_s: float | None = None,
+                        backend: str = "eager", compile_cache=None):
         """call_timeout_s (tp_degree > 1): limit of one graph call before a silent rank is reported (WorkerError);
-        default NXDI_VOXTRAL_CALL_TIMEOUT_S or 600 s, 0 for none."""
+        default NXDI_VOXTRAL_CALL_TIMEOUT_S or 600 s, 0 for none.
+        backend "compiled": torch.compile every graph at load (inductor on CPU, TorchNeuron's "neuron" backend on
+        a Neuron host; nxdi_voxtral/compiled.py), from the compile cache under compile_cache when given
+        (from_artifacts passes the artifact's); `compile_stats` then holds rank 0's seconds and cache hits."""
+        if backend not in ("eager", "compiled"):
+            raise ConfigError(f"backend must be 'eager' or 'compiled', got {backend!r}")
         draft_kind = check_request(draft, draft_kind, dtype)
         if draft is not None and draft_kind == "ngram":
             raise ConfigError(f"draft_kind='ngram' uses no draft checkpoint, but draft={str(draft)!r} was given")
@@ -65,12 +72,26 @@ class NxDVoxtralSpecDec:
             raise ConfigError(f"tp_degree must be a positive integer, got {tp_degree!r}")
         kwargs = dict(model_dir=model_dir, draft=draft, draft_kind=draft_kind, k=num_speculative_tokens,
                       dtype=dtype, buckets=buckets or Buckets())
+        cache = None if compile_cache is None else str(compile_cache)
         if tp_degree == 1:
             engine = build_engine(**kwargs)
-            return cls(tokenizer, engine.setup, engine=engine, model_dir=model_dir)
+            m = cls(tokenizer, engine.setup, engine=engine, model_dir=model_dir)
+            if backend == "compiled":
+                m.compile_stats = engine.compile(cache)
+            return m
         layout(cfg.text, cfg.audio, tp_degree, 0)  # tp that does not divide the heads: fail before spawning
+        if backend == "compiled":
+            from .compiled import compile_target
+            kwargs["process_group"] = compile_target().process_group
         workers = RankWorkers(tp_degree, kwargs, call_timeout_s)
-        return cls(tokenizer, workers.setup, workers=workers, model_dir=model_dir)
+        m = cls(tokenizer, workers.setup, workers=workers, model_dir=model_dir)
+        if backend == "compiled":
+            try:
+                m.compile_stats = workers.call("compile", cache)[0]  # every rank compiles its own graphs
+            except BaseException:
+                m.close()
+                raise
+        return m
 
     @classmethod
     def from_artifacts(cls, art_dir, tp_degree: int | None = None, verify_hashes: bool = True):
@@ -91,11 +112,22 @@ class NxDVoxtralSpecDec:
             setup = GraphSetup(VoxtralConfig.from_dir(where("target")), buckets, dtype, manifest["draft_kind"],
                                manifest["k"], tuple(g["capture_layers"]), g["dflash_block"], g["draft_own_audio"])
             return cls(load_tokenizer(where("target")), setup, engine=NeuronEngine(art_dir, manifest))
+        compiled = manifest["backend"] == "compiled"  # the graphs compile from the artifact's compile cache
         m = cls.from_pretrained(where("target"), draft=where("draft") if "draft" in w else None,
                                 draft_kind=manifest["draft_kind"], dtype=dtype,
                                 num_speculative_tokens=manifest["k"] if manifest["draft_kind"] else None,
                                 buckets=Buckets(tuple(b["audio_chunks"]), tuple(b["kv_lengths"]), b["text_slack"]),
-                                tp_degree=manifest["tp"])
+                                tp_degree=manifest["tp"], backend="compiled" if compiled else "eager",
+                                compile_cache=art_dir / manifest["compile"]["cache_dir"] if compiled else None)
+        if compiled:
+            from .compiled import summary
+            s = summary(m.compile_stats)
+            log.info("compiled %d graphs in %.1f s (%d from the artifact's cache, %d recompiled)", s["graphs"],
+                     s["seconds"], s["aot_cache_hits"], s["inductor_compiles"])
+            if s["inductor_compiles"]:
+                log.warning("%s: %d graph(s) missed the artifact's compile cache and were recompiled (another CPU "
+                            "or compiler settings than the build host?)", art_dir, s["inductor_compiles"])
+            return m
         graphs_dir = str(art_dir / "graphs")
         if m.workers is not None:
             m.workers.call("load_programs", graphs_dir, manifest["graphs"])

@@ -91,6 +91,15 @@ class Engine:
             self.graphs[key] = Program(Path(art_dir) / g["file"].replace("rank0", f"rank{rank}"), self.graphs[key],
                                        g["state_names"])
 
+    def compile(self, cache_dir: str | None = None, building: bool = False, rank: int = 0) -> list[dict]:
+        """torch.compile every graph of this rank now (the `compiled` backend, nxdi_voxtral/compiled.py); building:
+        check the contract on the eager graphs first and fill the artifact's compile cache."""
+        from .compiled import compile_engine
+        if building:
+            for spec in graph_plan(self.setup):
+                self.check_contract(spec)
+        return compile_engine(self, cache_dir, building, rank)
+
 
 def load_voxtral(model_dir, sd: dict, cfg: VoxtralConfig, dtype, buckets: Buckets, tp=1, rank=0, comm=None):
     factory = lambda comm_: VoxtralModel(cfg, buckets.kv_lengths[-1], comm_)  # noqa: E731

@@ -105,9 +105,20 @@ def check_host(manifest: dict, tp_degree: int | None) -> None:
     host = host_versions()
     if manifest["backend"] == "neuron" and host["neuron_sdk"] is None:
         raise ArtifactError("backend: artifacts are NEFFs for Neuron, this host has no Neuron SDK")
-    if manifest["backend"] == "cpu" and manifest["versions"]["torch"] != host["torch"]:
+    if manifest["backend"] in ("cpu", "compiled") and manifest["versions"]["torch"] != host["torch"]:
+        what = "exported programs" if manifest["backend"] == "cpu" else "torch.compile caches"
         raise ArtifactError(f"versions.torch: built with torch {manifest['versions']['torch']}, this host has "
-                            f"{host['torch']} (exported programs are tied to the torch version)")
+                            f"{host['torch']} ({what} are tied to the torch version)")
+    if manifest["backend"] == "compiled":
+        from .compiled import compile_target
+        built, here = manifest["compile"]["torch_compile_backend"], compile_target().backend
+        if built != here:
+            raise ArtifactError(f"compile.torch_compile_backend: the cache was built for torch.compile backend "
+                                f"{built!r}, this host compiles with {here!r}; rebuild the artifacts on this host")
+        if built == "neuron" and manifest["versions"]["neuron"].get("torch_neuronx") != host["neuron"]["torch_neuronx"]:
+            raise ArtifactError(f"versions.neuron.torch_neuronx: built with "
+                                f"{manifest['versions']['neuron'].get('torch_neuronx')}, this host has "
+                                f"{host['neuron']['torch_neuronx']} (NEFFs are tied to the compiler)")
     if manifest["backend"] == "neuron":  # NEFFs and model.pt are tied to the compiler, NxD and runtime they came from
         for name, built in manifest["versions"].get("neuron", {}).items():
             if name != "nki" and built != host["neuron"].get(name):

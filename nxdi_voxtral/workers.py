@@ -156,7 +156,9 @@ def _worker(address: str, rank: int, tp: int, init_file: str) -> None:
     from .engine import build_engine
     from .tp import DistComm
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp)
+        # "gloo" on CPU; the compiled backend on a TorchNeuron host asks for "neuron" (compiled.Target)
+        group = build_kwargs.pop("process_group", "gloo")
+        dist.init_process_group(group, init_method=f"file://{init_file}", rank=rank, world_size=tp)
         engine = build_engine(**build_kwargs, tp=tp, rank=rank, comm=DistComm(rank, tp))
         send(conn, (0, "ok", engine.setup if rank == 0 else None))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
