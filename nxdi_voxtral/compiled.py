@@ -35,6 +35,10 @@ from .graphs import example_inputs, graph_plan
 # releases while it swaps: past torch's default of 8 cache entries per code object, fullgraph=True raises
 RECOMPILE_LIMIT = 64
 INDUCTOR_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR",)
+# dynamic_threads: kernels ask OpenMP for the thread count at run time instead of baking in the compiling
+# process's torch.get_num_threads(), which is also part of inductor's cache key: without it an artifact built
+# with 2 threads missed the cache in a 1-thread process (and a rank worker runs cpu_count // tp threads).
+INDUCTOR_OPTIONS = {"cpp.dynamic_threads": True}
 # the C++ wrapper: one shared object per graph instead of a Python wrapper calling one per kernel. Measured on the
 # tiny decode graph (1 thread): 0.5 ms a call instead of 0.7 ms (eager 1.5 ms), and about half the compile time.
 # Not with tp > 1: torch 2.13's C++ wrapper cannot call the functional collectives ("arg type Any is not yet
@@ -137,7 +141,9 @@ def compile_engine(engine, cache_dir: str | None = None, building: bool = False,
     stays byte-identical to its manifest (and may be read-only) even when a cache miss recompiles."""
     target = compile_target()
     device = rank_device(target, rank)
-    options = CPP_WRAPPER if target.backend == "inductor" and engine.model.comm.size == 1 else None
+    options = None
+    if target.backend == "inductor":
+        options = {**INDUCTOR_OPTIONS, **(CPP_WRAPPER if engine.model.comm.size == 1 else {})}
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if building:
         # dynamo's in-process cache would answer for graphs another model of the same shapes compiled earlier in
