@@ -37,8 +37,12 @@ def load_dflash(draft_dir: str | Path, target: VoxtralConfig, k: int, dtype: tor
         raise ConfigError(f"DFlash draft {draft_dir}: sliding-window layers are not supported")
     if raw.get("attention_bias"):
         raise ConfigError(f"DFlash draft {draft_dir}: attention_bias=true is not supported")
+    factory = lambda comm_: DFlashDraft(cfg, max_len, comm_)  # noqa: E731
+    return cfg, build_and_load(factory, read_dflash_state_dict(draft_dir), dtype, str(draft_dir), tp, rank, comm)
+
+
+def read_dflash_state_dict(draft_dir: str | Path) -> StateDict:
+    """A DFlash checkpoint under DFlashDraft's names (a leading `model.` dropped), remembering the file's keys."""
     raw_sd = read_safetensors(draft_dir)
     ours = {k: (k[len("model."):] if k.startswith("model.") else k) for k in raw_sd}
-    sd = StateDict({ours[k]: v for k, v in raw_sd.items()}, source_keys={v: k for k, v in ours.items()})
-    factory = lambda comm_: DFlashDraft(cfg, max_len, comm_)  # noqa: E731
-    return cfg, build_and_load(factory, sd, dtype, str(draft_dir), tp, rank, comm)
+    return StateDict({ours[k]: v for k, v in raw_sd.items()}, source_keys={v: k for k, v in ours.items()})

@@ -140,11 +140,7 @@ def build_models(plan: "NeuronPlan", comm: Comm) -> Models:
         share_with_target(draft, target, plan.draft_shared)
     elif s.draft_kind == "dflash":
         draft = DFlashDraft(plan.draft_cfg, max_len, comm)
-    models = Models(target, draft).to(s.dtype).eval()
-    for m in (target, draft):
-        if m is not None:
-            m.init_state(next(m.parameters()).device, s.dtype)
-    return models
+    return Models(target, draft).to(s.dtype).eval()  # caches included: built zeroed, cast with the weights
 
 
 class NeuronPlan:
@@ -159,6 +155,7 @@ class NeuronPlan:
     def checkpoint(self, tp: int) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict under the traced modules' names; NxD shards it per rank."""
         from .checkpoint import check_and_cast, convert_hf_to_neuron_state_dict, read_safetensors
+        from .drafts import read_dflash_state_dict
         from .tp import SINGLE
         with torch.device("meta"):
             whole = build_models(self, SINGLE)
@@ -167,8 +164,7 @@ class NeuronPlan:
         if s.draft_kind == "layers":
             sources.append(("draft", self.draft_dir, convert_hf_to_neuron_state_dict(read_safetensors(self.draft_dir))))
         elif s.draft_kind == "dflash":
-            raw = read_safetensors(self.draft_dir)
-            sources.append(("draft", self.draft_dir, {k.removeprefix("model."): v for k, v in raw.items()}))
+            sources.append(("draft", self.draft_dir, read_dflash_state_dict(self.draft_dir)))
         for role, src, sd in sources:
             for k, v in check_and_cast(sd, getattr(whole, role), s.dtype, str(src)).items():
                 out[f"{role}.{k}"] = v
