@@ -13,6 +13,7 @@ setup(
                                                          "nxdi_voxtral.artifacts"],
     package_dir={"nxdi_voxtral.kernels": "kernels", "nxdi_voxtral.compile": "compile",
                  "nxdi_voxtral.artifacts": "artifacts"},
+    package_data={"nxdi_voxtral": ["csrc/*.c"]},
     entry_points={"console_scripts": ["nxdi-voxtral = nxdi_voxtral.__main__:main",
                                       "nxdi-voxtral-build = nxdi_voxtral.compile.build:main",
                                       "nxdi-voxtral-artifacts = nxdi_voxtral.artifacts.__main__:main"]},

@@ -21,6 +21,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_kernels import ROW_INVARIANT_ROWS, row_linear
 from .errors import ConfigError
 
 
@@ -173,27 +174,14 @@ def shard_tensor(name: str, t: torch.Tensor, lay: Layout) -> torch.Tensor:
     return t
 
 
-ROW_INVARIANT_ROWS = 16  # a verify pass has K+1 <= 16 rows; more rows (prefill) take the fastest kernel
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T, row-invariant on CPU up to ROW_INVARIANT_ROWS rows: row j of a K+1-row verify pass gets the
     bits a 1-row decode step gets for the same input, or a near-tie argmax flips between plain greedy and
-    speculation (in bf16 within ~20 tokens). CPU BLAS picks kernel and reduction order by shape (MKL fp32: one
-    for 2-3 columns, another for >= 4, edge tiles for odd counts), so every call has one fixed shape, on a fresh
-    block: fp32 weight @ [x_a, x_b].T (pairs; MKL's fp32 cost grows with the columns, so pairs cost what one wide
-    call did, and two columns avoid torch's single-threaded matrix-vector path); bf16 one call 16 columns wide,
-    padded with copies of the last row (oneDNN's bf16 product costs the same for 2 or 16 columns, so a decode
-    step runs the verify-shaped product for free). Many rows, and other devices: F.linear."""
+    speculation (in bf16 within ~20 tokens). See cpu_kernels. Many rows, and other devices: F.linear."""
     rows = x.numel() // x.shape[-1]
     if rows > ROW_INVARIANT_ROWS or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    x2 = x.reshape(rows, x.shape[-1])
-    if x.dtype == torch.bfloat16:
-        blocks = [torch.cat([x2, x2[-1:].expand(ROW_INVARIANT_ROWS - rows, -1)])]
-    else:
-        blocks = [torch.stack([x2[i], x2[min(i + 1, rows - 1)]]) for i in range(0, rows, 2)]
-    y = torch.cat([(weight @ b.T).T for b in blocks])[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    y = row_linear(x.reshape(rows, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
 
 
