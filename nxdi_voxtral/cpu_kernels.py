@@ -1,11 +1,13 @@
-"""`nxdi_voxtral::row_linear`: x @ weight.T for up to ROW_INVARIANT_ROWS rows on CPU, row-invariant and at memory
-bandwidth (csrc/row_linear.c; why in its header).
+"""The decode and verify passes' CPU ops, row-invariant for up to ROW_INVARIANT_ROWS rows (csrc/decode_kernels.c;
+why in its header): `nxdi_voxtral::row_linear` (x @ weight.T, the weight streamed once for all rows) and
+`nxdi_voxtral::decode_attention` (one call for all query rows and heads).
 
-The C kernel is compiled on first use with the host's C compiler (`$CC`, else cc) into the user cache, keyed by
-the source and flags, and loaded with ctypes. Where it cannot be built or the CPU lacks AVX512-BF16, the op runs
-`torch_row_linear`, the same contract on torch's own kernels (slower; just as row-invariant on the host it runs
-on). The op is registered with torch.library, so torch.export and torch.compile see one opaque node whose
-implementation is picked on the host that runs it. NXDI_VOXTRAL_CPU_LINEAR=torch forces the torch twin.
+The C kernels are compiled on first use with the host's C compiler (`$CC`, else cc) into the user cache, keyed by
+the source and flags, and loaded with ctypes. Where it cannot be built or the CPU lacks AVX-512 (F, BW, VL, BF16), each op runs its
+torch twin (`torch_row_linear`, `torch_decode_attention`): the same contract on torch's own kernels, slower, and
+just as row-invariant on the host it runs on. The ops are registered with torch.library, so torch.export and
+torch.compile see opaque nodes whose implementation is picked on the host that runs them.
+NXDI_VOXTRAL_CPU_KERNELS=torch forces the torch twins.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -20,13 +23,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 ROW_INVARIANT_ROWS = 16  # a verify pass has K+1 <= 16 rows; more rows (prefill) take torch's fastest kernel
 
-SOURCE = Path(__file__).parent / "csrc" / "row_linear.c"
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+SOURCE = Path(__file__).parent / "csrc" / "decode_kernels.c"
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
 def cache_dir() -> Path:
@@ -37,7 +41,7 @@ def build(cc: str, out_dir: Path) -> Path:
     """Compile the kernel once per (source, flags, compiler); concurrent builders race to an atomic rename."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, version]).encode()).hexdigest()[:16]
-    target = out_dir / f"row_linear-{key}.so"
+    target = out_dir / f"decode_kernels-{key}.so"
     if not target.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so")
@@ -55,24 +59,27 @@ def build(cc: str, out_dir: Path) -> Path:
 @functools.cache
 def kernel_library() -> ctypes.CDLL | None:
     """The loaded kernel, or None (with one log line saying why) where the torch twin has to serve."""
-    if os.environ.get("NXDI_VOXTRAL_CPU_LINEAR", "kernel") == "torch":
+    if os.environ.get("NXDI_VOXTRAL_CPU_KERNELS", "native") == "torch":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.warning("no C compiler found: the CPU decode/verify linear runs on torch's kernels (slower)")
+        log.warning("no C compiler found: the CPU decode/verify ops run on torch's kernels (slower)")
         return None
     try:
         lib = ctypes.CDLL(str(build(cc, cache_dir())))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("could not build %s with %s (%s): the CPU decode/verify linear runs on torch's kernels",
+        log.warning("could not build %s with %s (%s): the CPU decode/verify ops run on torch's kernels",
                     SOURCE.name, cc, detail.strip().splitlines()[-1] if detail.strip() else type(e).__name__)
         return None
-    if not lib.row_linear_supported():
-        log.info("this CPU lacks AVX512-BF16: the CPU decode/verify linear runs on torch's kernels")
+    if not lib.kernels_supported():
+        log.info("this CPU lacks AVX-512 (F, BW, VL, BF16): the CPU decode/verify ops run on torch's kernels")
         return None
     lib.row_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.row_linear.restype = None
+    lib.decode_attention.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+                                     + [ctypes.c_int] * 2 + [ctypes.c_void_p])
+    lib.decode_attention.restype = None
     return lib
 
 
@@ -101,11 +108,43 @@ def row_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def torch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """The attention contract on torch's SDPA: one call per query row, [1, Hq, 1, D] contiguous, its own mask
+    row -- exactly the decode step's call (CPU SDPA takes another kernel for several queries or strided ones)."""
+    gqa = q.shape[1] != k.shape[1]
+    rows = [q[:, :, r:r + 1].transpose(1, 2).contiguous().transpose(1, 2) for r in range(q.shape[2])]
+    out = torch.cat([F.scaled_dot_product_attention(qr, k, v, attn_mask=visible[r:r + 1], enable_gqa=gqa)
+                     for r, qr in enumerate(rows)], dim=2)
+    return out.transpose(1, 2)[0].contiguous()
+
+
+def decode_attention_impl(q, k, v, visible):
+    lib = kernel_library()
+    _, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    if (lib is None or q.dtype not in (torch.float32, torch.bfloat16) or not q.dtype == k.dtype == v.dtype
+            or d > MAX_HEAD_DIM or hq % hkv or any(x.stride(3) != 1 or x.stride(2) != d for x in (k, v))):
+        return torch_decode_attention(q, k, v, visible)
+    q_rows = q[0].transpose(0, 1).contiguous()  # [T, Hq, D]
+    visible = visible.to(torch.uint8).contiguous()
+    out = torch.empty(t, hq, d, dtype=q.dtype)
+    threads = torch.get_num_threads()
+    scratch = torch.empty(threads, s, dtype=torch.float32)
+    lib.decode_attention(q_rows.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), visible.data_ptr(), t, hq,
+                         hkv, d, s, k.stride(1), v.stride(1), 1.0 / math.sqrt(d), int(q.dtype == torch.bfloat16),
+                         threads, scratch.data_ptr())
+    return out
+
+
+MAX_HEAD_DIM = 256  # as in the C source
+
 # torch.library.Library rather than the custom_op decorator: its dispatch adds no Python wrapper per call
-# (a real-size decode step makes ~200 of these calls)
+# (a real-size decode step makes ~250 of these calls)
 _lib = torch.library.Library("nxdi_voxtral", "DEF")
 _lib.define("row_linear(Tensor x, Tensor weight) -> Tensor")
 _lib.impl("row_linear", row_linear_impl, "CPU")
+_lib.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor visible) -> Tensor")
+_lib.impl("decode_attention", decode_attention_impl, "CPU")
 
 
 @torch.library.register_fake("nxdi_voxtral::row_linear")
@@ -113,6 +152,17 @@ def _row_linear_fake(x, weight):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+@torch.library.register_fake("nxdi_voxtral::decode_attention")
+def _decode_attention_fake(q, k, v, visible):
+    return q.new_empty(q.shape[2], q.shape[1], q.shape[3])
+
+
 def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [rows <= ROW_INVARIANT_ROWS, in] @ weight[out, in].T on CPU; row j's bits do not depend on the rows."""
     return torch.ops.nxdi_voxtral.row_linear(x, weight)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [1, Hq, T <= ROW_INVARIANT_ROWS, D]; k, v [1, Hkv, S, D] (rows contiguous, heads any stride); visible
+    [T, S] bool -> [T, Hq, D]. Grouped-query attention on CPU; row t's bits do not depend on the other rows."""
+    return torch.ops.nxdi_voxtral.decode_attention(q, k, v, visible)

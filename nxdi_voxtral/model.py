@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import AudioEncoderConfig, TextConfig, VoxtralConfig
+from .cpu_kernels import ROW_INVARIANT_ROWS, decode_attention
 from .kernels import ops
 from .tp import SINGLE, Comm, Layout, layout, vocab_greedy
-from .tp import ROW_INVARIANT_ROWS
 
 
 # ---------------------------------------------------------------- audio encoder
@@ -115,19 +115,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """q [1, Hq, T, D]; k, v [1, Hkv, S, D]; visible [T, S] bool -> [1, T, Hq*D]. GQA without repeating k/v.
-
-    Row-invariant on CPU up to ROW_INVARIANT_ROWS queries (as tp.linear): torch's CPU SDPA takes another kernel
-    for T > 1 (flash vs math) and for strided queries, so each query row is its own call of one shape and layout,
-    a contiguous [1, 1, Hq, D] block seen as [1, Hq, 1, D] -- exactly the decode step's call."""
+    Row-invariant on CPU up to ROW_INVARIANT_ROWS queries (as tp.linear), see cpu_kernels.decode_attention."""
     _, hq, t, d = q.shape
-    gqa = hq != k.shape[1]
     if t > ROW_INVARIANT_ROWS or q.device.type != "cpu":
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=hq != k.shape[1])
         return out.transpose(1, 2).reshape(1, t, hq * d)
-    rows = [q[:, :, r:r + 1].transpose(1, 2).contiguous().transpose(1, 2) for r in range(t)]
-    out = torch.cat([F.scaled_dot_product_attention(qr, k, v, attn_mask=visible[r:r + 1], enable_gqa=gqa)
-                     for r, qr in enumerate(rows)], dim=2)
-    return out.transpose(1, 2).reshape(1, t, hq * d)
+    return decode_attention(q, k, v, visible).reshape(1, t, hq * d)
 
 
 class DecoderAttention(nn.Module):

@@ -1,5 +1,5 @@
-"""nxdi_voxtral::row_linear (csrc/row_linear.c) against its torch twin and a float64 reference: row-invariant for
-every row count, any shape (feature and k tails), any thread count; the torch twin serves where the kernel can't."""
+"""The CPU decode/verify ops (csrc/decode_kernels.c) against their torch twins and float64 references: row-invariant
+for every row count, any shape (tails), any thread count; the torch twins serve where the kernels can't."""
 import logging
 import shutil
 from pathlib import Path
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nxdi_voxtral import cpu_kernels, tp
-from nxdi_voxtral.cpu_kernels import ROW_INVARIANT_ROWS, row_linear, torch_row_linear
+from nxdi_voxtral.cpu_kernels import (ROW_INVARIANT_ROWS, decode_attention, row_linear, torch_decode_attention,
+                                      torch_row_linear)
 
 HOST_HAS_AVX512_BF16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
 SHAPES = [(37, 53), (64, 3072), (130, 1000), (8, 31), (1, 17), (24, 64)]  # (out, in): tails in both
@@ -54,6 +55,51 @@ def test_thread_count_does_not_change_bits(dtype):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+def reference_attention(q, k, v, visible):
+    """float64, k/v repeated per query head"""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    out = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v  # [1, Hq, T, D]
+    return out[0].transpose(0, 1)
+
+
+ATTENTION_SHAPES = [(16, 4, 64, 512), (32, 8, 128, 300), (4, 4, 32, 96), (6, 2, 8, 37), (2, 1, 20, 17)]  # Hq,Hkv,D,S
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", [decode_attention, torch_decode_attention], ids=["op", "torch_twin"])
+def test_attention_rows_are_invariant_and_accurate(dtype, impl):
+    gen = torch.Generator().manual_seed(3)
+    t = ROW_INVARIANT_ROWS
+    for hq, hkv, d, s in ATTENTION_SHAPES:
+        q = torch.randn(1, hq, t, d, generator=gen).to(dtype)
+        k_cache, v_cache = (torch.randn(1, hkv, s + 40, d, generator=gen).to(dtype) for _ in range(2))
+        k, v = k_cache[:, :, :s], v_cache[:, :, :s]  # a KV bucket of a longer cache: heads strided
+        visible = torch.rand(t, s, generator=gen) > 0.4
+        visible[:, 0] = True
+        full = impl(q, k, v, visible)
+        assert full.shape == (t, hq, d) and full.dtype == dtype
+        for rows in (1, 2, 5, 9, t):
+            assert torch.equal(impl(q[:, :, :rows], k, v, visible[:rows]), full[:rows]), (hq, d, s, rows)
+        for r in range(t):
+            assert torch.equal(impl(q[:, :, r:r + 1], k, v, visible[r:r + 1])[0], full[r])
+        ref = reference_attention(q, k, v, visible)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (full.double() - ref).abs().max().item() < tol * ref.abs().max().item()
+
+
+def test_attention_row_that_sees_nothing_is_zero_and_masked_keys_are_ignored():
+    q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+    visible = torch.zeros(2, 10, dtype=torch.bool)
+    visible[1, :3] = True
+    out = decode_attention(q, k, v, visible)
+    assert torch.equal(out[0], torch.zeros(4, 16))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 3:], v2[:, :, 3:] = float("nan"), 1e30
+    assert torch.equal(decode_attention(q, k2, v2, visible)[1], out[1])
 
 
 def test_linear_strided_input_and_bias():

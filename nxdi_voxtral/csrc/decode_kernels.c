@@ -1,6 +1,8 @@
-/* y = x @ w.T for a few rows (decode: 1, verify: K+1 <= 16), fp32 or bf16, on AVX-512 CPUs.
+/* The decode and verify passes' CPU kernels (decode: 1 row, verify: K+1 <= 16 rows), fp32 or bf16, AVX-512:
+ * row_linear (y = x @ w.T) and decode_attention. Each computes every output row by one fixed sequence of
+ * operations whatever the number of rows beside it, so a verify row gets the bits its decode step gets.
  *
- * Why not BLAS: CPU BLAS picks kernel and reduction order by the number of rows, so row j of a K+1-row verify
+ * row_linear. Why not BLAS: CPU BLAS picks kernel and reduction order by the number of rows, so row j of a K+1-row verify
  * pass and the 1-row decode step of the same input get different bits, and a near-tie argmax flips between plain
  * greedy and speculation. Here every output y[r, n] is one accumulation chain over k in a fixed order (16 fp32 or
  * 32 bf16 lanes per step, a masked tail, then one fixed horizontal sum), whatever the number of rows, the tile it
@@ -10,15 +12,18 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
+#include <omp.h>
 #include <string.h>
 
 #define BLOCK 8     /* output features per work item */
 #define AHEAD 2     /* prefetch the weight rows of the work item this many items ahead */
 #define ROW_CHUNK 8 /* rows per pass over a block */
 
-int row_linear_supported(void) {
+int kernels_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512bf16");
 }
 
@@ -126,5 +131,111 @@ void row_linear(const char *x, const char *w, char *y, int64_t R, int64_t N, int
             }
 #undef PF
         }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+ * decode_attention: out[t, h] = softmax(scale * q[t, h] . k[g]^T, visible[t]) @ v[g], g = h / (Hq / Hkv)
+ * (grouped-query attention without repeating k/v). torch's CPU SDPA picks kernel and blocking by the query
+ * count (and calls per row cost one kernel launch each); here each (row, head) is one work item: scores over
+ * the visible keys (each a fixed-order dot product), max, exp, sum and the weighted sum of v rows in key order.
+ * Rows that see no key get zeros. */
+
+/* 16 elements (those in mask) as float32 */
+static inline __attribute__((always_inline)) __m512 load16(const char *p, __mmask16 mask, const int bf16) {
+    if (!bf16) return _mm512_maskz_loadu_ps(mask, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+static inline __m512 exp_nonpositive(__m512 x) { /* exp(x) for x <= 0, ~1 ulp: 2^n * Taylor(r), |r| <= ln2/2 */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#define MAX_HEAD_DIM 256
+
+/* one (row t, head h) of decode_attention; bf16 is a constant where this is inlined */
+static inline __attribute__((always_inline)) void attention_item(
+    const char *q, const char *k, const char *v, char *out, const uint8_t *visible, int64_t t, int64_t h, int64_t Hq,
+    int64_t group, int64_t D, int64_t S, int64_t k_head_stride, int64_t v_head_stride, float scale, float *score,
+    const int bf16) {
+    const int64_t es = bf16 ? 2 : 4, dv = (D + 15) / 16, g = h / group;
+    const __mmask16 tail = (__mmask16)(D % 16 ? (1u << (D % 16)) - 1 : 0xffff);
+#define LANES(i) ((i) == dv - 1 ? tail : (__mmask16)0xffff)
+    const uint8_t *vis = visible + t * S;
+    const char *kg = k + g * k_head_stride * es, *vg = v + g * v_head_stride * es;
+    __m512 qv[MAX_HEAD_DIM / 16];
+    for (int64_t i = 0; i < dv; i++) qv[i] = load16(q + ((t * Hq + h) * D + i * 16) * es, LANES(i), bf16);
+    float m = -INFINITY;
+    for (int64_t j = 0; j < S; j++) {
+        if (!vis[j]) {
+            score[j] = -INFINITY;
+            continue;
+        }
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < dv; i++)
+            acc = _mm512_fmadd_ps(qv[i], load16(kg + (j * D + i * 16) * es, LANES(i), bf16), acc);
+        score[j] = _mm512_reduce_add_ps(acc) * scale;
+        m = score[j] > m ? score[j] : m;
+    }
+    __m512 sum = _mm512_setzero_ps(), mv = _mm512_set1_ps(m);
+    for (int64_t j = 0; j < S; j += 16) {
+        __mmask16 in = (__mmask16)(S - j >= 16 ? 0xffff : (1u << (S - j)) - 1);
+        __m512 s = _mm512_maskz_loadu_ps(in, score + j);
+        __mmask16 seen = _mm512_mask_cmp_ps_mask(in, s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        __m512 p = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(s, mv)));
+        _mm512_mask_storeu_ps(score + j, in, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    float l = _mm512_reduce_add_ps(sum);
+    __m512 o[MAX_HEAD_DIM / 16];
+    for (int64_t i = 0; i < dv; i++) o[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < S; j++) {
+        if (!vis[j]) continue;
+        __m512 p = _mm512_set1_ps(score[j]);
+        for (int64_t i = 0; i < dv; i++)
+            o[i] = _mm512_fmadd_ps(p, load16(vg + (j * D + i * 16) * es, LANES(i), bf16), o[i]);
+    }
+    __m512 inv = _mm512_set1_ps(l > 0 ? 1.0f / l : 0.0f);
+    for (int64_t i = 0; i < dv; i++) {
+        __m512 r = _mm512_mul_ps(o[i], inv);
+        char *dst = out + ((t * Hq + h) * D + i * 16) * es;
+        if (!bf16) {
+            _mm512_mask_storeu_ps(dst, LANES(i), r);
+            continue;
+        }
+        float tmp[16];
+        _mm512_storeu_ps(tmp, r);
+        for (int e = 0; e < 16 && i * 16 + e < D; e++) ((uint16_t *)dst)[e] = bf16_round(tmp[e]);
+    }
+#undef LANES
+}
+
+/* q [T, Hq, D] contiguous; k, v: row j of kv head g at k + (g * head_stride + j * D) * element size; visible
+ * [T, S] bytes; out [T, Hq, D]; scratch: threads * S floats; D <= MAX_HEAD_DIM. */
+void decode_attention(const char *q, const char *k, const char *v, char *out, const uint8_t *visible, int64_t T,
+                      int64_t Hq, int64_t Hkv, int64_t D, int64_t S, int64_t k_head_stride, int64_t v_head_stride,
+                      float scale, int bf16, int threads, float *scratch) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < T * Hq; item++) {
+        float *score = scratch + (int64_t)omp_get_thread_num() * S;
+        if (bf16)
+            attention_item(q, k, v, out, visible, item / Hq, item % Hq, Hq, Hq / Hkv, D, S, k_head_stride,
+                           v_head_stride, scale, score, 1);
+        else
+            attention_item(q, k, v, out, visible, item / Hq, item % Hq, Hq, Hq / Hkv, D, S, k_head_stride,
+                           v_head_stride, scale, score, 0);
     }
 }
