@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from nxdi_voxtral import NxDVoxtralSpecDec
+from nxdi_voxtral import NxDVoxtralSpecDec, cpu_kernels
 from nxdi_voxtral.eval.divergence import (Divergence, bf16_ulp, first_divergence, hf_greedy, ours_logits,
                                           report)
 from nxdi_voxtral.model import attention, cached_visible
@@ -83,9 +83,13 @@ def test_verify_rows_equal_decode_steps(ckpt_factory, shape, dtype):
         assert torch.equal(many, one), (k1, (many - one).abs().max())
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch_twins"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_kernels_row_invariant_at_real_widths(dtype):
-    """linear and attention alone, at the benchmark model's widths (kernels are chosen by shape)."""
+def test_kernels_row_invariant_at_real_widths(dtype, kernels, monkeypatch):
+    """linear and attention alone, at the benchmark model's widths (BLAS picks kernels by shape), on our C kernels
+    and on the torch twins that serve where those can't be built."""
+    if kernels == "torch_twins":
+        monkeypatch.setattr(cpu_kernels, "kernel_library", lambda: None)
     g = torch.Generator().manual_seed(1)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     for n_in, n_out in [(1024, 2816), (2816, 1024), (1000, 48)]:
