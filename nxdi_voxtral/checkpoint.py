@@ -1,8 +1,10 @@
 """Loading HF Voxtral checkpoints (model*.safetensors, sharded or not) into our module's parameter names."""
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -91,15 +93,16 @@ def convert_hf_to_neuron_state_dict(state_dict: dict[str, torch.Tensor]) -> dict
 
 
 def check_and_cast(state_dict: dict[str, torch.Tensor], module: torch.nn.Module, dtype: torch.dtype,
-                   source: str) -> dict[str, torch.Tensor]:
-    """Exactly the module's persistent tensors, with their shapes; a typed error names the first offender."""
+                   source: str, shard=None) -> dict[str, torch.Tensor]:
+    """Exactly the module's persistent tensors, with their shapes; a typed error names the first offender.
+    shard(name, tensor) -> this rank's part: taken before the values are read (NaN / inf check, cast), so a rank
+    touches only its own part of each tensor of a memory-mapped checkpoint."""
     expected = module.state_dict()
     name = state_dict.file_key if isinstance(state_dict, StateDict) else (lambda k: k)
     missing = [k for k in expected if k not in state_dict]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{source}: tensor {name(missing[0])!r} is missing{more}")
-    out = {}
     for k, ref in expected.items():
         t = state_dict[k]
         if tuple(t.shape) != tuple(ref.shape):
@@ -107,6 +110,14 @@ def check_and_cast(state_dict: dict[str, torch.Tensor], module: torch.nn.Module,
                                   f"{tuple(ref.shape)}")
         if ref.is_floating_point() and not t.is_floating_point():
             raise CheckpointError(f"{source}: tensor {name(k)!r} has dtype {t.dtype}, expected floating point")
+    out = {}
+    for k, ref in expected.items():
+        t = state_dict[k]
+        if shard is not None:
+            part = shard(k, t)
+            if part is not t:
+                release_file_pages(t)
+            t = part
         if ref.is_floating_point() and not all_finite(t):
             raise CheckpointError(f"{source}: tensor {name(k)!r} contains NaN or infinite values")
         out[k] = t.to(dtype) if t.is_floating_point() else t
@@ -114,6 +125,27 @@ def check_and_cast(state_dict: dict[str, torch.Tensor], module: torch.nn.Module,
     if unused:
         log.warning("%s: ignoring %d tensors the model does not use (first: %s)", source, len(unused), unused[0])
     return out
+
+
+def release_file_pages(t: torch.Tensor) -> None:
+    """Drop a memory-mapped checkpoint tensor's pages from this process (they stay in the page cache; a later read
+    faults them back in from the file), so a rank that copied out its shard does not also count the pages it read.
+    Only for tensors inside a mapping of a .safetensors file (safetensors maps them private, copy-on-write; the
+    loader never writes to them): on anonymous memory MADV_DONTNEED would zero the data."""
+    if t.device.type != "cpu" or t.numel() == 0 or not hasattr(os, "sysconf") or not Path("/proc/self/maps").exists():
+        return
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= start and end <= hi:
+            if len(fields) < 6 or not fields[5].endswith(".safetensors"):
+                return
+            page = os.sysconf("SC_PAGE_SIZE")
+            first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
+            if last > first:
+                ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # MADV_DONTNEED
+            return
 
 
 def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
@@ -135,10 +167,11 @@ def build_and_load(factory, state_dict: dict[str, torch.Tensor], dtype: torch.dt
     with torch.device("meta"):
         whole = factory(SINGLE)
         local = whole if tp == 1 else factory(comm)
-    sd = check_and_cast(state_dict, whole, dtype, source)
-    if tp > 1:
+    if tp == 1:
+        sd = check_and_cast(state_dict, whole, dtype, source)
+    else:
         lay = dataclasses.replace(local.layout, rank=rank)
-        sd = {k: shard_tensor(k, v, lay) for k, v in sd.items()}
+        sd = check_and_cast(state_dict, whole, dtype, source, shard=lambda k, v: shard_tensor(k, v, lay))
         sd.update({k: shard_tensor(k, torch.arange(tp, dtype=torch.int32), lay) for k in local.state_dict()
                    if shard_kind(k, lay) == "rank"})
     local.load_state_dict(sd, strict=True, assign=True)

@@ -1,4 +1,5 @@
 """Checkpoint loading: HF layouts, sharding, typed errors naming the tensor."""
+import os
 import json
 
 import pytest
@@ -84,3 +85,46 @@ def test_missing_files_and_corrupt_weights(tiny_dir, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00009.safetensors"}}))
     with pytest.raises(CheckpointError, match="do not exist"):
         NxDVoxtralSpecDec.from_pretrained(d, buckets=SMALL_BUCKETS)
+
+
+def resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_released_checkpoint_pages_leave_rss_and_read_back_the_same(tmp_path):
+    import torch
+    from nxdi_voxtral.checkpoint import read_safetensors, release_file_pages
+    save_file({"w": torch.arange(32 * 2**20 // 4, dtype=torch.float32).reshape(2048, -1)}, tmp_path / "model.safetensors")
+    w = read_safetensors(tmp_path)["w"]
+    total = float(w.sum())
+    before = resident_mib()
+    release_file_pages(w)
+    assert resident_mib() < before - 24  # the 32 MiB mapping left this process
+    assert float(w.sum()) == total  # faulted back in from the file
+
+
+def test_release_leaves_anonymous_memory_alone():
+    import torch
+    from nxdi_voxtral.checkpoint import release_file_pages
+    w = torch.arange(4 * 2**20, dtype=torch.float32)
+    release_file_pages(w)  # MADV_DONTNEED here would zero it
+    assert torch.equal(w, torch.arange(4 * 2**20, dtype=torch.float32))
+
+
+def test_a_rank_reads_only_its_shards(tiny_dir, monkeypatch):
+    """At tp 2 every sharded tensor is cut before its values are read, and the whole tensor's pages released."""
+    import torch
+    from nxdi_voxtral import Buckets, checkpoint
+    from nxdi_voxtral.config import VoxtralConfig
+    from nxdi_voxtral.engine import load_voxtral
+    from nxdi_voxtral.tp import DistComm
+    read, released = [], []
+    monkeypatch.setattr(checkpoint, "all_finite", lambda t: read.append(t.numel()) or True)
+    monkeypatch.setattr(checkpoint, "release_file_pages", lambda t: released.append(t.numel()))
+    sd = checkpoint.convert_hf_to_neuron_state_dict(checkpoint.read_safetensors(tiny_dir))
+    whole = sum(v.numel() for v in sd.values() if v.is_floating_point())
+    load_voxtral(tiny_dir, sd, VoxtralConfig.from_dir(tiny_dir), torch.float32, Buckets(audio_chunks=(1,),
+                 kv_lengths=(64,)), tp=2, rank=1, comm=DistComm(1, 2))
+    assert sum(released) > 0.75 * whole  # every sharded tensor; norms, convs, positions are replicated
+    assert sum(read) == whole - sum(released) // 2  # replicated tensors whole, sharded ones half
