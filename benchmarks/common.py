@@ -190,3 +190,29 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(headers), sep, *(line(r) for r in cells)])
+
+
+# ---------------------------------------------------------------- the real-size configuration
+
+# Voxtral-Mini-3B-2507 (DESIGN.md §1; the package's config defaults): decoder 30 x 3072, FFN 8192, 32/8 heads x 128,
+# vocab 131072, untied LM head; audio encoder 32 x 1280, FFN 5120, 20 heads. Same as cuda_realsize.configs(False).
+REALSIZE_DRAFT_LAYERS = [0, 10, 20, 29]   # the 4-layer pruned layer draft
+
+
+def realsize_config():
+    from nxdi_voxtral.config import VoxtralConfig
+    return VoxtralConfig()
+
+
+def proc_mem_gib(pid="self") -> dict:
+    """VmHWM (peak), VmRSS, RssAnon, RssFile of a process (Linux /proc/PID/status), in GiB; {} elsewhere."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key = line.split(":")[0]
+                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                    out[key] = int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return out
