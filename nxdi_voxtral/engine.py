@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import build_and_load, convert_hf_to_neuron_state_dict, read_safetensors
+from .checkpoint import build_and_load, convert_hf_to_neuron_state_dict, read_safetensors, release_file_pages
 from .config import VoxtralConfig
 from .drafts import check_layer_draft, load_dflash
 from .errors import ConfigError
@@ -122,9 +122,17 @@ def share_with_target(draft, target, parts) -> None:
 
 
 def same_tensors(a: dict, b: dict, prefixes: tuple[str, ...]) -> bool:
+    """Whether a's tensors under prefixes equal b's; each of a's is dropped from memory once compared (a draft's
+    copy of the target's LM head is read once, tensor by tensor, and never held)."""
     keys = [k for k in a if k.startswith(prefixes)]
-    return keys == [k for k in b if k.startswith(prefixes)] and all(
-        a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in keys)
+    if keys != [k for k in b if k.startswith(prefixes)]:
+        return False
+    for k in keys:
+        equal = a[k].shape == b[k].shape and torch.equal(a[k], b[k])
+        release_file_pages(a[k])
+        if not equal:
+            return False
+    return True
 
 
 def check_request(draft, draft_kind, dtype):
@@ -154,8 +162,11 @@ def build_engine(model_dir, draft=None, draft_kind=None, k=None, dtype=torch.flo
         draft_cfg = VoxtralConfig.from_dir(draft)
         check_layer_draft(Path(draft), Path(model_dir), draft_cfg, cfg)
         draft_sd = convert_hf_to_neuron_state_dict(read_safetensors(draft))
-        draft_model = load_voxtral(draft, draft_sd, draft_cfg, dtype, buckets, tp, rank, comm)
         shared = tuple(part for part, prefixes in SHAREABLE.items() if same_tensors(draft_sd, target_sd, prefixes))
+        from_target = tuple(p for part in shared for p in SHAREABLE[part])
+        for key in [k for k in draft_sd if k.startswith(from_target)]:  # build from the target's (mapped) tensors
+            draft_sd[key] = target_sd[key]
+        draft_model = load_voxtral(draft, draft_sd, draft_cfg, dtype, buckets, tp, rank, comm)
         share_with_target(draft_model, model, shared)
         setup = GraphSetup(cfg, buckets, dtype, "layers", k, draft_own_audio="audio" not in shared)
     elif draft_kind == "dflash":
