@@ -3,8 +3,8 @@ why in its header): `nxdi_voxtral::row_linear` (x @ weight.T, the weight streame
 `nxdi_voxtral::decode_attention` (one call for all query rows and heads).
 
 The C kernels are compiled on first use with the host's C compiler (`$CC`, else cc) into the user cache, keyed by
-the source and flags, and loaded with ctypes. Where it cannot be built or the CPU lacks AVX-512 (F, BW, VL, BF16), each op runs its
-torch twin (`torch_row_linear`, `torch_decode_attention`): the same contract on torch's own kernels, slower, and
+the source, flags and compiler, and loaded with ctypes. Where they cannot be built or the CPU lacks AVX-512 (F,
+BW, VL, BF16), each op runs its torch twin (`torch_row_linear`, `torch_decode_attention`): the same contract on torch's own kernels, slower, and
 just as row-invariant on the host it runs on. The ops are registered with torch.library, so torch.export and
 torch.compile see opaque nodes whose implementation is picked on the host that runs them.
 NXDI_VOXTRAL_CPU_KERNELS=torch forces the torch twins.
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 ROW_INVARIANT_ROWS = 16  # a verify pass has K+1 <= 16 rows; more rows (prefill) take torch's fastest kernel
 
+MAX_HEAD_DIM = 256  # as in the C source
 SOURCE = Path(__file__).parent / "csrc" / "decode_kernels.c"
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
@@ -38,7 +39,7 @@ def cache_dir() -> Path:
 
 
 def build(cc: str, out_dir: Path) -> Path:
-    """Compile the kernel once per (source, flags, compiler); concurrent builders race to an atomic rename."""
+    """Compile the kernels once per (source, flags, compiler); concurrent builders race to an atomic rename."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, version]).encode()).hexdigest()[:16]
     target = out_dir / f"decode_kernels-{key}.so"
@@ -58,7 +59,7 @@ def build(cc: str, out_dir: Path) -> Path:
 
 @functools.cache
 def kernel_library() -> ctypes.CDLL | None:
-    """The loaded kernel, or None (with one log line saying why) where the torch twin has to serve."""
+    """The loaded kernels, or None (with one log line saying why) where the torch twins have to serve."""
     if os.environ.get("NXDI_VOXTRAL_CPU_KERNELS", "native") == "torch":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -135,8 +136,6 @@ def decode_attention_impl(q, k, v, visible):
                          threads, scratch.data_ptr())
     return out
 
-
-MAX_HEAD_DIM = 256  # as in the C source
 
 # torch.library.Library rather than the custom_op decorator: its dispatch adds no Python wrapper per call
 # (a real-size decode step makes ~250 of these calls)
