@@ -4,8 +4,8 @@ why in its header): `nxdi_voxtral::row_linear` (x @ weight.T, the weight streame
 
 The C kernels are compiled on first use with the host's C compiler (`$CC`, else cc) into the user cache, keyed by
 the source, flags and compiler, and loaded with ctypes. Where they cannot be built or the CPU lacks AVX-512 (F,
-BW, VL, BF16), each op runs its torch twin (`torch_row_linear`, `torch_decode_attention`): the same contract on torch's own kernels, slower, and
-just as row-invariant on the host it runs on. The ops are registered with torch.library, so torch.export and
+BW, VL, BF16), each op runs its torch twin (`torch_row_linear`, `torch_decode_attention`): the same contract on
+torch's own kernels, slower, and just as row-invariant on the host it runs on. The ops are registered with torch.library, so torch.export and
 torch.compile see opaque nodes whose implementation is picked on the host that runs them.
 NXDI_VOXTRAL_CPU_KERNELS=torch forces the torch twins.
 """
