@@ -28,6 +28,9 @@ def check_cheap_args(args) -> None:
     k = args.num_speculative_tokens
     if k is not None and k < 1:
         raise ConfigError(f"-k / --num-speculative-tokens must be a positive integer, got {k}")
+    if k is not None and args.draft is None and args.draft_kind is None:
+        raise ConfigError(f"-k / --num-speculative-tokens {k} needs a draft: give --draft-kind (layers, dflash, "
+                          "ngram) and/or --draft")
     if args.draft is not None and args.draft_kind == "ngram":
         raise ConfigError(f"--draft-kind ngram uses no draft checkpoint, but --draft {args.draft} was given")
 

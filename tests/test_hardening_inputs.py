@@ -198,6 +198,7 @@ def test_speculation_room_is_reported_as_such(tiny_dir):
     (["examples/chirp.wav", "--max-new-tokens", "0"], "ConfigError: --max-new-tokens must be a positive"),
     (["examples/chirp.wav", "--draft-kind", "ngram", "-k", "0"], "ConfigError: -k / --num-speculative-tokens"),
     (["examples/chirp.wav", "--draft", "d", "--draft-kind", "ngram"], "ConfigError: --draft-kind ngram uses no"),
+    (["examples/chirp.wav", "-k", "4"], "ConfigError: -k / --num-speculative-tokens 4 needs a draft"),
 ])
 def test_cli_refuses_cheap_arguments_before_loading(args, match, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
