@@ -28,7 +28,7 @@ Columns
                     analytical = tau x t(decode step) / (t(verify) + t(draft K steps)), per-call costs of this row's
                     own process (steadier than speed-up where the machine's bandwidth drifts between processes)
   verify/dec, draft/dec  per-call cost (median of --cost-calls single graph calls after one warm-up) of a K+1-row
-                    verify and of the fused K-step draft, over one token_generation step (specdec.call_costs's calls)
+                    verify and of the fused K-step draft, over one token_generation step (specdec.call_fns's calls)
   peak RSS GiB      VmHWM at the end of the run (tp2: the largest rank; the host process is listed apart)
   load peak/weights VmHWM right after loading / bytes of weights the process (rank) holds (shared counted once)
 
@@ -61,6 +61,8 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nxdi_voxtral.eval.divergence import first_divergence
 
 from benchmarks.common import (REALSIZE_DRAFT_LAYERS, OtherCpuLoad, cache_root, cpu_busy_fraction, markdown_table,
                                median, mid_config, proc_mem_gib, realsize_config, run_json_subprocess, test_audio)
@@ -267,7 +269,7 @@ def stream_read_gbs(gib: float = 2.0, reps: int = 5) -> float:
 
 def bf16_gemm_gbs(cfg, cols: int = 16, reps: int = 5) -> float:
     """Weight bytes / time of one bf16 [intermediate x hidden] @ [hidden x cols] product, best of `reps`: the
-    shape of a decode step's MLP products (tp.linear pads bf16 decode/verify rows to 16 columns)."""
+    shape of a decode step's MLP products on torch's kernels (the torch twin pads bf16 rows to 16 columns)."""
     w = torch.randn(cfg.text.intermediate_size, cfg.text.hidden_size).to(torch.bfloat16)
     x = torch.randn(cfg.text.hidden_size, cols).to(torch.bfloat16)
     w @ x
@@ -331,20 +333,12 @@ def per_call_ms(fn, n: int) -> float:
 
 
 def call_costs(m, position: int, n: int) -> dict:
-    """specdec.call_costs's single graph calls (token_generation; verify and draft_fused_k with a layer draft),
-    median of n after one warm-up, at the one KV bucket."""
-    from nxdi_voxtral.generate import I32, cache_mask
-    b = m.buckets.kv_lengths[0]
-    i = lambda *v: torch.tensor(v, dtype=I32)  # noqa: E731
-    k = m.setup.k
-    costs = {"decode": per_call_ms(lambda: m.run("token_generation", b, i([5]), i(position), cache_mask(b, position)), n)}
-    if m.setup.draft_kind == "layers":
-        costs["verify"] = per_call_ms(lambda: m.run("verify", b, i([5] * (k + 1)),
-                                                    i(list(range(position, position + k + 1))),
-                                                    cache_mask(b, position), i(k)), n)
-        costs["draft"] = per_call_ms(lambda: m.run("draft_fused_k", b, i([5, 6]), i([position - 1, position]),
-                                                   cache_mask(b, position - 1)), n)
-    return costs
+    """specdec.call_fns's single graph calls at the one KV bucket (token_generation; with a layer draft the K+1-row
+    verify and draft_fused_k), median of n after one warm-up."""
+    from benchmarks.specdec import call_fns
+    names = {"decode": "decode", f"verify {m.setup.k + 1}": "verify", "draft": "draft"}
+    fns = call_fns(m, position, bucket=m.buckets.kv_lengths[0])
+    return {names[name]: per_call_ms(fn, n) for name, fn in fns.items() if name in names}
 
 
 def child_ours(args) -> dict:
@@ -472,11 +466,9 @@ def wait_idle(max_wait_s: float, threshold: float = 0.15) -> float | None:
     return busy
 
 
-def first_divergence(a: list, b: list) -> str:
-    if a == b:
-        return "yes"
-    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return f"no (first divergence at {i})"
+def same_tokens(a: list, b: list) -> str:
+    i = first_divergence(a, b)
+    return "yes" if i is None else f"no (first divergence at {i})"
 
 
 def parent(args) -> None:
@@ -634,7 +626,7 @@ def report(seconds: float, prompt_tokens: int, chunks: int, res: dict, roofline_
         same = []
         for label, r in ok.items():
             if label != "greedy tp1":
-                same.append(f"{label}: {first_divergence(greedy['tokens'], r['tokens'])}")
+                same.append(f"{label}: {same_tokens(greedy['tokens'], r['tokens'])}")
         n, dist = len(greedy["tokens"]), len(set(greedy["tokens"]))
         out.append(f"\ngreedy tp1: {n} tokens ({dist} distinct). Tokens equal greedy tp1 -- " + "; ".join(same))
     if costs:

@@ -139,25 +139,25 @@ def host_limits(rounds: int) -> dict:
 
 # ---------------------------------------------------------------- graph calls and the work they do
 
-def call_fns(m, position: int, verify_rows=()) -> dict:
-    """Closures of single graph calls at the KV bucket: decode, verify (at the model's K+1 rows, or at each of
+def call_fns(m, position: int, verify_rows=(), bucket: int = KV) -> dict:
+    """Closures of single graph calls at a KV bucket: decode, verify (at the model's K+1 rows, or at each of
     verify_rows), and the model's draft call."""
     from nxdi_voxtral.generate import I32, cache_mask
     from nxdi_voxtral.speculative import ngram_propose
     run, s, k = m.engine.run, m.setup, m.setup.k
     i = lambda *v: torch.tensor(v, dtype=I32)  # noqa: E731
-    mask = cache_mask(KV, position)
-    fns = {"decode": lambda: run("token_generation", KV, i([5]), i(position), mask)}
+    mask = cache_mask(bucket, position)
+    fns = {"decode": lambda: run("token_generation", bucket, i([5]), i(position), mask)}
     for r in verify_rows or ((k + 1,) if s.draft_kind else ()):
-        fns[f"verify {r}"] = (lambda r: lambda: run("verify", KV, i([5] * r), i(list(range(position, position + r))),
-                                                    mask, i(r - 1)))(r)
+        fns[f"verify {r}"] = (lambda r: lambda: run("verify", bucket, i([5] * r),
+                                                    i(list(range(position, position + r))), mask, i(r - 1)))(r)
     if s.draft_kind == "layers":
-        fns["draft"] = lambda: run("draft_fused_k", KV, i([5, 6]), i([position - 1, position]),
-                                   cache_mask(KV, position - 1))
+        fns["draft"] = lambda: run("draft_fused_k", bucket, i([5, 6]), i([position - 1, position]),
+                                   cache_mask(bucket, position - 1))
     elif s.draft_kind == "dflash":
         b = s.dflash_block
         feats = torch.zeros(1, b, s.feature_dim, dtype=s.dtype)
-        fns["draft"] = lambda: run("dflash_draft", KV, feats, i(list(range(position, position + b))), i([5]),
+        fns["draft"] = lambda: run("dflash_draft", bucket, feats, i(list(range(position, position + b))), i([5]),
                                    i(position), mask)
     elif s.draft_kind == "ngram":
         hist = list(range(200)) * 2
