@@ -75,8 +75,8 @@ def clear_earlier_build(out: Path) -> None:
         raise ArtifactError(f"--out {out}: exists and is not a directory; --force only replaces a build directory")
     if any(out.iterdir()) and not ((out / "manifest.json").is_file() or (out / "graphs").is_dir()
                                    or (out / COMPILE_CACHE).is_dir()):
-        raise ArtifactError(f"--out {out}: not a build output (no manifest.json or graphs/); --force refuses to "
-                            f"delete it")
+        raise ArtifactError(f"--out {out}: not a build output (no manifest.json, graphs/ or {COMPILE_CACHE}/); "
+                            "--force refuses to delete it")
     shutil.rmtree(out)
 
 

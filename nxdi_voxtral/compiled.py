@@ -19,6 +19,7 @@ compiles again through dynamo (tracing is not cached by torch) but every backend
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -63,6 +64,7 @@ INDUCTOR = Target("inductor", "cpu", "gloo")
 TORCHNEURON = Target("neuron", "neuron", "neuron")
 
 
+@functools.cache
 def torchneuron_available() -> bool:
     """TorchNeuron: torch >= 2.10 and torch-neuronx registering the `neuron` device. torch-neuronx 2.9 (the
     PyTorch/XLA stack of NxD, SDK <= 2.31) has no native device and is the `neuron` artifact backend instead."""
@@ -180,8 +182,7 @@ def compile_engine(engine, cache_dir: str | None = None, building: bool = False,
     finally:
         if work is not None:  # compiled code is loaded: the copy is no longer read
             shutil.rmtree(work, ignore_errors=True)
-    for c in engine.caches().values():
-        c.zero_()  # the example inputs wrote into the KV caches
+    engine.clear_caches()  # the example inputs wrote into the KV caches
     return records
 
 

@@ -48,6 +48,10 @@ class Engine:
             mods["draft"] = getattr(self.draft, "language_model", self.draft)
         return {f"{who}.{n}": getattr(m, n) for who, m in mods.items() for n in ("k_cache", "v_cache")}
 
+    def clear_caches(self) -> None:
+        for c in self.caches().values():
+            c.zero_()
+
     def check_contract(self, spec) -> None:
         """DESIGN.md §2 on one graph: no banned op / host sync / int64 at the boundary (contract.check_graph_call),
         and KV caches written in place (same storage, new contents) by exactly the graphs that own a cache."""
@@ -55,8 +59,7 @@ class Engine:
         g = torch.Generator().manual_seed(0)
         inputs = tuple(torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t
                        for t in example_inputs(spec, self.setup))
-        for c in self.caches().values():
-            c.zero_()  # any write of real K/V is then visible
+        self.clear_caches()  # any write of real K/V is then visible
         before = {k: (v.data_ptr(), v.clone()) for k, v in self.caches().items()}
         check_graph_call(name, self.graphs[(spec.tag, spec.bucket)], inputs)
         after = self.caches()
@@ -80,8 +83,7 @@ class Engine:
                             seconds=time.perf_counter() - t0))
             if rank == 0:
                 print(f"  {spec.tag:<24} {spec.bucket:>6}  {out[-1]['seconds']:6.2f} s", flush=True)
-        for c in self.caches().values():
-            c.zero_()
+        self.clear_caches()  # the example inputs wrote into the KV caches
         return out
 
     def load_programs(self, art_dir: str, graphs: list[dict], rank: int) -> None:
