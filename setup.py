@@ -6,17 +6,14 @@ setup(
     description="Voxtral-Mini-3B as fixed-shape graphs for AWS Trainium2 (NxD Inference / TorchNeuron) "
                 "with exact speculative decoding; every graph also runs and is tested on CPU.",
     python_requires=">=3.10",
-    # the repository's kernels/, compile/ and artifacts/ folders install under nxdi_voxtral. (generic top-level names
-    # such as `kernels` belong to other PyPI packages); from a checkout `python -m compile.build` / `-m artifacts`
-    # keep working, and an install gets the console scripts below
-    packages=find_packages(include=["nxdi_voxtral*"]) + ["nxdi_voxtral.kernels", "nxdi_voxtral.compile",
-                                                         "nxdi_voxtral.artifacts"],
-    package_dir={"nxdi_voxtral.kernels": "kernels", "nxdi_voxtral.compile": "compile",
-                 "nxdi_voxtral.artifacts": "artifacts"},
+    # one import root: everything installs under nxdi_voxtral (generic top-level names such as `kernels` belong to
+    # other PyPI packages); the checkout's compile/ and artifacts/ are entry shims for `python -m compile.build` /
+    # `python -m artifacts`, and an install gets the console scripts below instead
+    packages=find_packages(include=["nxdi_voxtral", "nxdi_voxtral.*"]),
     package_data={"nxdi_voxtral": ["csrc/*.c"]},
     entry_points={"console_scripts": ["nxdi-voxtral = nxdi_voxtral.__main__:main",
-                                      "nxdi-voxtral-build = nxdi_voxtral.compile.build:main",
-                                      "nxdi-voxtral-artifacts = nxdi_voxtral.artifacts.__main__:main"]},
+                                      "nxdi-voxtral-build = nxdi_voxtral.build:main",
+                                      "nxdi-voxtral-artifacts = nxdi_voxtral.release:main"]},
     install_requires=[
         # satisfied by the CPU torch 2.13 wheel; install torch first so pip does not pull a CUDA build
         "torch>=2.9,<2.15",

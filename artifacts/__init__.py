@@ -1,1 +1,1 @@
-"""artifacts package."""
+"""Checkout-only entry shim for `python -m artifacts` (the code is nxdi_voxtral.release; installed: nxdi-voxtral-artifacts)."""

@@ -83,7 +83,7 @@ def configs(tiny: bool):
                             text=TextConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_layers=6,
                                             num_heads=4, num_kv_heads=2, head_dim=16))
         return cfg, [0, 2, 4, 5], (1, 2, 4)
-    return VoxtralConfig(), [0, 10, 20, 29], (1, 8, 14, 20, 27)   # DESIGN.md §1
+    return VoxtralConfig(), [0, 10, 20, 29], (1, 8, 14, 20, 27)   # docs/design.md §1
 
 
 def fill_random_(module: nn.Module, gen: torch.Generator, std: float, audio_std: float, prefix: str = "") -> None:
@@ -491,7 +491,7 @@ def main() -> None:
     needing = sorted({r.name for _, _, r in runners.values() if r.needs_default_device})
     if needing:
         say(f"\\* ran under `torch.device('{dev}')` as default device: {', '.join(needing)} create tensors without "
-            f"`device=` inside the graph (DESIGN.md §2 asks for `device=` from an input).")
+            f"`device=` inside the graph (docs/design.md §2 asks for `device=` from an input).")
     failed = [f"{r.name}: {r.capture_error}" for _, _, r in runners.values() if r.capture_error]
     if failed:
         say("CUDA graph capture failed for: " + "; ".join(failed))

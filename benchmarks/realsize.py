@@ -356,8 +356,8 @@ def child_ours(args) -> dict:
                                           dtype=torch.bfloat16, buckets=buckets, tp_degree=args.tp)
     load_s = time.perf_counter() - t0
     with m:
-        pids = [p.pid for p in m.workers.procs] if m.workers else ["self"]
-        weights = m.workers.call("weight_bytes") if m.workers else [m.engine.weight_bytes()]
+        pids = m.ranks.pids or ["self"]
+        weights = m.ranks.call("weight_bytes")
         at_load = [proc_mem_gib(p) for p in pids]
         host_at_load = proc_mem_gib()
         shared = list(m.engine.draft_shared) if m.engine is not None else None

@@ -54,8 +54,8 @@ def stdout_to_stderr():
 
 
 def build_releases(root: Path, buckets):
-    from artifacts.__main__ import pack
-    from compile.build import build
+    from nxdi_voxtral.release import pack
+    from nxdi_voxtral.build import build
     from nxdi_voxtral.synthetic import demo_dirs, write_random_checkpoint
     weights = {"v1": demo_dirs()["target"], "v2": write_random_checkpoint(root / "v2_weights", seed=7)}
     tars = {}
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--queue-timeout", type=float, default=5.0)
     ap.add_argument("--json", help="also write the records here")
     a = ap.parse_args(argv)
-    from artifacts.__main__ import deploy
+    from nxdi_voxtral.release import deploy
     from nxdi_voxtral import Buckets
     buckets = Buckets(audio_chunks=(1,), kv_lengths=(512,))
     capacity = a.queue_depth + 1

@@ -21,7 +21,7 @@ from benchmarks.common import markdown_table, median, mid_checkpoint, test_audio
 def main() -> None:
     from nxdi_voxtral import Buckets, NxDVoxtralSpecDec
     from nxdi_voxtral.engine import build_engine
-    from compile.build import build
+    from nxdi_voxtral.build import build
     d = mid_checkpoint()
     buckets = Buckets(audio_chunks=(1,), kv_lengths=(512,))
     total = build_engine(d, buckets=buckets).weight_bytes()
@@ -29,7 +29,7 @@ def main() -> None:
     for tp in (1, 2, 4):
         with NxDVoxtralSpecDec.from_pretrained(d, buckets=buckets, tp_degree=tp) as m:
             p = m.prepare(test_audio(30.0), language="en", sampling_rate=16000)
-            per_rank = (m.workers.call("weight_bytes") if m.workers else [m.engine.weight_bytes()])
+            per_rank = m.ranks.call("weight_bytes")
             times = []
             for _ in range(2):
                 t = {}
@@ -42,7 +42,7 @@ def main() -> None:
                          rows))
     out = Path(tempfile.mkdtemp()) / "art"
     t0 = time.perf_counter()
-    manifest = build(d, out, tp=1, buckets=Buckets(audio_chunks=(1, 2), kv_lengths=(512, 1024)), backend="cpu")
+    manifest = build(d, out, tp=1, buckets=Buckets(audio_chunks=(1, 2), kv_lengths=(512, 1024)), backend="export")
     print()
     print(markdown_table(["graph", "bucket", "build s (check + export)"],
                          [[g["tag"], g["bucket"], g["seconds"]] for g in manifest["graphs"]]))

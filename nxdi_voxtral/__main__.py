@@ -6,11 +6,10 @@ import json
 import logging
 import sys
 
-import torch
 
 from .errors import VoxtralError
+from .graphs import DTYPE_NAMES as DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def check_cheap_args(args) -> None:

@@ -11,12 +11,13 @@ import torch
 from . import generate as gen
 from .config import VoxtralConfig
 from .contract import ContractViolation, check_distinct_signatures, signature
-from .engine import Engine, build_engine, check_request
+from . import backends
+from .backends import EAGER, Backend
+from .engine import Engine, check_request
 from .errors import CheckpointError, ConfigError, ModelClosedError
 from .graphs import Buckets, GraphSetup, example_inputs, graph_plan
 from .tp import layout
-from .workers import RankWorkers
-from .processing import HOP, SAMPLE_RATE, build_prompt, decode, load_audio, load_tokenizer
+from .processing import build_prompt, decode, load_audio, load_tokenizer
 from .speculative import DFlashDrafter, LayerDrafter, NgramDrafter, SpecStats
 
 log = logging.getLogger(__name__)
@@ -33,32 +34,53 @@ class Transcription:
 class NxDVoxtralSpecDec:
     """Voxtral transcription over fixed-shape graphs, optionally with a draft and tensor parallelism.
 
-    The host loop (prefill, decode, speculation) runs here; graphs run in `self.engine` (one rank, this process)
-    or in rank worker processes (tp_degree > 1), through the same `run(tag, bucket, *inputs)`."""
+    One object owns every (tag, bucket) graph (NxDI's application): `from_pretrained` loads a checkpoint,
+    `compile(path)` writes a release of it for a backend, `from_artifacts(path)` loads one. The host loop (prefill,
+    decode, speculation) runs here; graphs run on `self.ranks` (ranks.py: this process at tp 1, rank worker
+    processes at tp > 1), through the same `run(tag, bucket, *inputs)`."""
 
-    def __init__(self, tokenizer, setup: GraphSetup, engine: Engine | None = None, workers: RankWorkers | None = None,
-                 model_dir=None):
-        self.tokenizer, self.setup, self.engine, self.workers = tokenizer, setup, engine, workers
-        self.cfg, self.buckets, self.model_dir = setup.cfg, setup.buckets, model_dir
-        self.model = engine.model if engine else None
+    def __init__(self, tokenizer, ranks, backend: Backend = EAGER, model_dir=None, build_kwargs: dict | None = None,
+                 compile_stats: list[dict] | None = None):
+        self.tokenizer, self.ranks, self.backend, self.model_dir = tokenizer, ranks, backend, model_dir
+        self.setup = ranks.setup
+        self.cfg, self.buckets = self.setup.cfg, self.setup.buckets
+        self.build_kwargs = build_kwargs
+        self.compile_stats = compile_stats  # torch.compile backends: per graph seconds / cache hits (rank 0)
         self.closed = False
-        self.compile_stats: list[dict] | None = None  # backend "compiled": per graph seconds / cache hits (rank 0)
-        self.draft = engine.draft if engine else None
-        self.signatures = {(s.tag, s.bucket): signature(example_inputs(s, setup)) for s in graph_plan(setup)}
+        self.signatures = {(s.tag, s.bucket): signature(example_inputs(s, self.setup)) for s in graph_plan(self.setup)}
         check_distinct_signatures(self.signatures)
+
+    @property
+    def engine(self) -> Engine | None:
+        """The in-process rank's Engine (tp 1 on CPU), else None."""
+        return getattr(self.ranks, "engine", None)
+
+    @property
+    def model(self):
+        return self.engine.model if self.engine else None
+
+    @property
+    def draft(self):
+        return self.engine.draft if self.engine else None
 
     @classmethod
     def from_pretrained(cls, model_dir, draft=None, draft_kind: str | None = None,
                         num_speculative_tokens: int | None = None, dtype: torch.dtype = torch.float32,
                         buckets: Buckets | None = None, tp_degree: int = 1, call_timeout_s: float | None = None,
-                        backend: str = "eager", compile_cache=None):
+                        backend: str = "eager"):
         """call_timeout_s (tp_degree > 1): limit of one graph call before a silent rank is reported (WorkerError);
         default NXDI_VOXTRAL_CALL_TIMEOUT_S or 600 s, 0 for none.
-        backend "compiled": torch.compile every graph at load (inductor on CPU, TorchNeuron's "neuron" backend on
-        a Neuron host; nxdi_voxtral/compiled.py), from the compile cache under compile_cache when given
-        (from_artifacts passes the artifact's); `compile_stats` then holds rank 0's seconds and cache hits."""
-        if backend not in ("eager", "compiled"):
-            raise ConfigError(f"backend must be 'eager' or 'compiled', got {backend!r}")
+        backend: a name from nxdi_voxtral.backends (eager, inductor, ...) whose graphs can be prepared from a
+        checkpoint at load; the torch.compile backends compile every graph here and fill `compile_stats`."""
+        be = backends.get(backend)
+        build_kwargs, tokenizer = cls.check_pretrained(model_dir, draft, draft_kind, num_speculative_tokens, dtype,
+                                                       buckets, tp_degree)
+        ranks, stats = be.open(build_kwargs, tp_degree, call_timeout_s)
+        return cls(tokenizer, ranks, be, model_dir, build_kwargs, stats)
+
+    @staticmethod
+    def check_pretrained(model_dir, draft, draft_kind, k, dtype, buckets, tp_degree):
+        """Everything cheap, before any weight is read or a rank process starts -> (build_engine kwargs, tokenizer)."""
         draft_kind = check_request(draft, draft_kind, dtype)
         if draft is not None and draft_kind == "ngram":
             raise ConfigError(f"draft_kind='ngram' uses no draft checkpoint, but draft={str(draft)!r} was given")
@@ -68,78 +90,46 @@ class NxDVoxtralSpecDec:
         if n_words > cfg.text.vocab_size:
             raise CheckpointError(f"{model_dir}: tokenizer has {n_words} tokens but the model's vocabulary is "
                                   f"{cfg.text.vocab_size}")
-        if not isinstance(tp_degree, int) or tp_degree < 1:
+        if not isinstance(tp_degree, int) or isinstance(tp_degree, bool) or tp_degree < 1:
             raise ConfigError(f"tp_degree must be a positive integer, got {tp_degree!r}")
-        kwargs = dict(model_dir=model_dir, draft=draft, draft_kind=draft_kind, k=num_speculative_tokens,
-                      dtype=dtype, buckets=buckets or Buckets())
-        cache = None if compile_cache is None else str(compile_cache)
-        if tp_degree == 1:
-            engine = build_engine(**kwargs)
-            m = cls(tokenizer, engine.setup, engine=engine, model_dir=model_dir)
-            if backend == "compiled":
-                m.compile_stats = engine.compile(cache)
-            return m
         layout(cfg.text, cfg.audio, tp_degree, 0)  # tp that does not divide the heads: fail before spawning
-        if backend == "compiled":
-            from .compiled import compile_target
-            kwargs["process_group"] = compile_target().process_group
-        workers = RankWorkers(tp_degree, kwargs, call_timeout_s)
-        m = cls(tokenizer, workers.setup, workers=workers, model_dir=model_dir)
-        if backend == "compiled":
-            try:
-                m.compile_stats = workers.call("compile", cache)[0]  # every rank compiles its own graphs
-            except BaseException:
-                m.close()
-                raise
-        return m
+        return dict(model_dir=model_dir, draft=draft, draft_kind=draft_kind, k=k, dtype=dtype,
+                    buckets=buckets or Buckets()), tokenizer
+
+    def compile(self, out, backend: str | None = None, pack_weights: bool = False, progress=print) -> dict:
+        """Build a release of this model's checkpoint, graphs and buckets for `backend` (default: the first one
+        available here of torchneuron, nxd, export) into the new directory `out` -> its manifest. The build loads
+        its own copy of the weights on the model's tp ranks, so it works from any backend's model."""
+        from .build import build
+        kw = self.build_kwargs
+        if kw is None:
+            raise ConfigError("compile() needs a model loaded with from_pretrained (this one came from artifacts)")
+        return build(kw["model_dir"], out, kw["draft"], kw["draft_kind"], self.setup.k if kw["draft_kind"] else None,
+                     self.ranks.tp, self.buckets, self.setup.dtype, backend, pack_weights, progress)
 
     @classmethod
-    def from_artifacts(cls, art_dir, tp_degree: int | None = None, verify_hashes: bool = True):
-        """Load what `python -m compile.build` wrote; generates exactly what from_pretrained generates.
-        The manifest is verified first (files, sizes, sha256, weights, backend / torch / TP of this host)."""
-        from .manifest import check_host, verify
+    def from_artifacts(cls, art_dir, tp_degree: int | None = None, verify_hashes: bool = True,
+                       call_timeout_s: float | None = None):
+        """Load what `python -m compile.build` (or `compile()`) wrote; generates exactly what from_pretrained
+        generates. The manifest is verified first (files, sizes, sha256, weights), then the host (the backend's
+        check: torch / Neuron stack, TP degree)."""
+        from .manifest import verify
         art_dir = Path(art_dir)
         manifest = verify(art_dir, deep=verify_hashes)
-        check_host(manifest, tp_degree)
+        be = backends.check_host(manifest, tp_degree)
         w = manifest["weights"]
         where = lambda role: str(art_dir / w[role]["dir"]) if w[role]["packed"] else w[role]["dir"]  # noqa: E731
-        b = manifest["buckets"]
-        dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16}[manifest["dtype"]]
-        buckets = Buckets(tuple(b["audio_chunks"]), tuple(b["kv_lengths"]), b["text_slack"])
-        if manifest["backend"] == "neuron":  # model.pt + NxD-sharded weights; the tokenizer from the target dir
-            from .neuron import NeuronEngine
-            g = manifest["graph_setup"]
-            setup = GraphSetup(VoxtralConfig.from_dir(where("target")), buckets, dtype, manifest["draft_kind"],
-                               manifest["k"], tuple(g["capture_layers"]), g["dflash_block"], g["draft_own_audio"])
-            return cls(load_tokenizer(where("target")), setup, engine=NeuronEngine(art_dir, manifest))
-        compiled = manifest["backend"] == "compiled"  # the graphs compile from the artifact's compile cache
-        m = cls.from_pretrained(where("target"), draft=where("draft") if "draft" in w else None,
-                                draft_kind=manifest["draft_kind"], dtype=dtype,
-                                num_speculative_tokens=manifest["k"] if manifest["draft_kind"] else None,
-                                buckets=Buckets(tuple(b["audio_chunks"]), tuple(b["kv_lengths"]), b["text_slack"]),
-                                tp_degree=manifest["tp"], backend="compiled" if compiled else "eager",
-                                compile_cache=art_dir / manifest["compile"]["cache_dir"] if compiled else None)
-        if compiled:
-            from .compiled import summary
-            s = summary(m.compile_stats)
-            log.info("compiled %d graphs in %.1f s (%d from the artifact's cache, %d recompiled)", s["graphs"],
-                     s["seconds"], s["aot_cache_hits"], s["inductor_compiles"])
-            if s["inductor_compiles"]:
-                log.warning("%s: %d graph(s) missed the artifact's compile cache and were recompiled (another CPU "
-                            "or compiler settings than the build host?)", art_dir, s["inductor_compiles"])
-            return m
-        graphs_dir = str(art_dir / "graphs")
-        if m.workers is not None:
-            m.workers.call("load_programs", graphs_dir, manifest["graphs"])
-        else:
-            m.engine.load_programs(graphs_dir, manifest["graphs"], rank=0)
-        return m
+        setup = GraphSetup.from_manifest(manifest, VoxtralConfig.from_dir(where("target")))
+        build_kwargs = dict(model_dir=where("target"), draft=where("draft") if "draft" in w else None,
+                            draft_kind=setup.draft_kind, k=setup.k if setup.draft_kind else None, dtype=setup.dtype,
+                            buckets=setup.buckets)
+        ranks, stats = be.load(art_dir, manifest, build_kwargs, call_timeout_s)
+        return cls(load_tokenizer(where("target")), ranks, be, where("target"), build_kwargs, stats)
 
     def close(self) -> None:
         """Stop the rank worker processes (tp_degree > 1); also done at garbage collection and interpreter exit."""
         self.closed = True
-        if self.workers is not None:
-            self.workers.close()
+        self.ranks.close()
 
     def __enter__(self):
         return self
@@ -158,9 +148,7 @@ class NxDVoxtralSpecDec:
         if signature(inputs) != self.signatures[(tag, bucket)]:
             raise ContractViolation(f"{tag}[{bucket}] called with shapes {signature(inputs)}, "
                                     f"compiled for {self.signatures[(tag, bucket)]}")
-        if self.workers is not None:
-            return self.workers.run(tag, bucket, *inputs)
-        return self.engine.run(tag, bucket, *inputs)
+        return self.ranks.run(tag, bucket, *inputs)
 
     def generate(self, input_ids: torch.Tensor, input_features: torch.Tensor, max_new_tokens: int = 128,
                  timings: dict | None = None, return_stats: bool = False, on_tokens=None):
@@ -170,13 +158,7 @@ class NxDVoxtralSpecDec:
         stops generation."""
         s = self.setup
         input_ids, input_features = self.check_inputs(input_ids, input_features)
-        gen.check_capacity(input_ids.shape[-1], max_new_tokens, self.buckets)
-        room = s.k + s.dflash_block  # slots a verify / draft block may write past the last emitted token
-        if room and input_ids.shape[-1] + max_new_tokens + room > self.buckets.kv_lengths[-1]:
-            block = f" + DFlash block {s.dflash_block}" if s.dflash_block else ""
-            raise ConfigError(f"prompt ({input_ids.shape[-1]} tokens) + max_new_tokens ({max_new_tokens}) + "
-                              f"speculation room (K={s.k}{block}) exceeds the largest KV bucket "
-                              f"({self.buckets.kv_lengths[-1]}); lower K or max_new_tokens, or add a larger kv bucket")
+        s.check_capacity(input_ids.shape[-1], max_new_tokens)
         stats = SpecStats(s.draft_kind or "none", s.k)
         t0 = time.perf_counter()
         first, position, drafter = self.prefill(input_ids, input_features, stats)
@@ -245,8 +227,7 @@ class NxDVoxtralSpecDec:
     def prepare(self, audio, language: str | None = None, sampling_rate: int | None = None, strict: bool = False):
         """strict=True refuses a truncated audio file instead of warning (AudioWarning) and using what is present."""
         a = self.cfg.audio
-        max_seconds = self.buckets.audio_chunks[-1] * a.mel_frames_per_chunk * HOP / SAMPLE_RATE
-        samples = load_audio(audio, sampling_rate, max_seconds=max_seconds, strict=strict)
+        samples = load_audio(audio, sampling_rate, max_seconds=self.buckets.max_audio_seconds(self.cfg), strict=strict)
         prompt = build_prompt(self.tokenizer, samples, language, a.num_mel_bins, a.mel_frames_per_chunk)
         self.buckets.chunk_bucket(prompt.input_features.shape[0], self.cfg)  # too long -> AudioTooLongError now
         return prompt

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import logging
 import os
@@ -13,6 +14,14 @@ from safetensors import safe_open
 from .errors import CheckpointError
 
 log = logging.getLogger(__name__)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -1,11 +1,10 @@
-"""The `compiled` backend: every (tag, bucket) graph through torch.compile(graph, fullgraph=True, dynamic=False).
-
-Where it compiles to:
-- CPU: backend "inductor" (C++ kernels), the weights and KV caches stay where the eager backend has them.
-- TorchNeuron host (SDK 2.32+: torch >= 2.10 with torch-neuronx registering the native `neuron` device):
-  backend "neuron" (TorchDynamo -> StableHLO -> neuronx-cc -> NEFF), weights and KV caches moved to the device,
-  tensor parallelism through torch.distributed's "neuron" process group (the same functional collectives as gloo
-  on CPU). This path is written from TorchNeuron's documentation and has not run: no Neuron host here.
+"""torch.compile of every (tag, bucket) graph (fullgraph=True, dynamic=False): the machinery of the inductor and
+torchneuron backends (backends/inductor.py, backends/torchneuron.py), which differ only in their Target:
+- INDUCTOR: torch.compile backend "inductor" (C++ kernels) on CPU; weights and KV caches stay where eager has them.
+- TORCHNEURON (SDK 2.34+: torch >= 2.10 with torch-neuronx registering the native `neuron` device): backend
+  "neuron" (TorchDynamo -> StableHLO -> neuronx-cc -> NEFF), weights and KV caches moved to the device, tensor
+  parallelism through torch.distributed's "neuron" process group (the same functional collectives as gloo on CPU).
+  Rehearsed up to the compiler on CPU (../shared/torchneuron-rehearsal); not run on a Neuron device.
 
 The KV caches stay in place: the graphs write them with index_copy_ into the model's buffers, which dynamo lifts
 as mutated graph inputs and inductor writes back into the same storage (tests/test_compiled.py checks the
@@ -77,10 +76,6 @@ def torchneuron_available() -> bool:
     return torch._C._get_privateuse1_backend_name() == "neuron"
 
 
-def compile_target() -> Target:
-    return TORCHNEURON if torchneuron_available() else INDUCTOR
-
-
 def rank_device(target: Target, rank: int) -> torch.device:
     # one NeuronCore per rank process (untested assumption: the rank's logical core index is its rank)
     return torch.device(target.device, rank) if target.device != "cpu" else torch.device("cpu")
@@ -135,13 +130,13 @@ def compile_counts() -> dict[str, int]:
             "inductor_compiles": counters["inductor"]["fxgraph_cache_miss"]}
 
 
-def compile_engine(engine, cache_dir: str | None = None, building: bool = False, rank: int = 0) -> list[dict]:
+def compile_engine(engine, target: Target, cache_dir: str | None = None, building: bool = False) -> list[dict]:
     """Replace every graph of `engine` (one rank) by its compiled form and compile it now, with example inputs,
     so no request pays for it. Returns one record per graph: seconds and the compile_counts() it moved.
     cache_dir: the artifact's compile-cache root (rank subdirectory `rank{r}`); None: torch's defaults.
     building: write the cache into cache_dir; otherwise compile from a private copy of it, so a deployed release
     stays byte-identical to its manifest (and may be read-only) even when a cache miss recompiles."""
-    target = compile_target()
+    rank = engine.rank
     device = rank_device(target, rank)
     options = None
     if target.backend == "inductor":

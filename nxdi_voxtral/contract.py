@@ -1,4 +1,4 @@
-"""The graph contract of DESIGN.md §2, checked on CPU: banned ops, host syncs, int32 boundaries, static shapes,
+"""The graph contract of docs/design.md §2, checked on CPU: banned ops, host syncs, int32 boundaries, static shapes,
 distinct input signatures per (tag, bucket)."""
 from __future__ import annotations
 

@@ -6,11 +6,39 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import StateDict, build_and_load, read_safetensors
+from .checkpoint import StateDict, build_and_load, read_safetensors, release_file_pages, sha256_file
 from .config import VoxtralConfig
 from .dflash import DFlashConfig, DFlashDraft
 from .errors import CheckpointError, ConfigError, DraftMismatchError
-from .manifest import sha256_file
+
+
+# what the public pruned draft copies from the target, by checkpoint prefix
+SHAREABLE = {"embed_tokens": ("language_model.embed_tokens.",), "lm_head": ("lm_head.",),
+             "audio": ("audio_tower.", "multi_modal_projector.")}
+
+
+def share_with_target(draft, target, parts) -> None:
+    """One copy of what the draft shares with the target (and one audio encoder run)."""
+    if "embed_tokens" in parts:
+        draft.language_model.embed_tokens = target.language_model.embed_tokens
+    if "lm_head" in parts:
+        draft.lm_head = target.lm_head
+    if "audio" in parts:
+        draft.audio_tower, draft.multi_modal_projector = target.audio_tower, target.multi_modal_projector
+
+
+def same_tensors(a: dict, b: dict, prefixes: tuple[str, ...]) -> bool:
+    """Whether a's tensors under prefixes equal b's; each of a's is dropped from memory once compared (a draft's
+    copy of the target's LM head is read once, tensor by tensor, and never held)."""
+    keys = [k for k in a if k.startswith(prefixes)]
+    if keys != [k for k in b if k.startswith(prefixes)]:
+        return False
+    for k in keys:
+        equal = a[k].shape == b[k].shape and torch.equal(a[k], b[k])
+        release_file_pages(a[k])
+        if not equal:
+            return False
+    return True
 
 
 def check_layer_draft(draft_dir: Path, target_dir: Path, draft: VoxtralConfig, target: VoxtralConfig) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import build_and_load, convert_hf_to_neuron_state_dict, read_safetensors, release_file_pages
+from .checkpoint import build_and_load, convert_hf_to_neuron_state_dict, read_safetensors
 from .config import VoxtralConfig
-from .drafts import check_layer_draft, load_dflash
+from .drafts import SHAREABLE, check_layer_draft, load_dflash, same_tensors, share_with_target
 from .errors import ConfigError
 from .contract import ContractViolation, check_graph_call
 from .export import Program, export_graph
@@ -26,13 +26,14 @@ class Engine:
     model: VoxtralModel
     draft: object = None
     graphs: dict = field(default_factory=dict)
-    draft_shared: tuple = ()   # SHAREABLE parts the layer draft takes from the target
+    draft_shared: tuple = ()   # drafts.SHAREABLE parts the layer draft takes from the target
+    rank: int = 0
 
     def run(self, tag: str, bucket: int, *inputs):
         with torch.inference_mode():
             return self.graphs[(tag, bucket)](*inputs)
 
-    def weight_bytes(self, rank: int = 0) -> int:
+    def weight_bytes(self) -> int:
         """Bytes of weights this rank holds (shared modules counted once)."""
         seen, total = set(), 0
         for m in (self.model, self.draft):
@@ -53,7 +54,7 @@ class Engine:
             c.zero_()
 
     def check_contract(self, spec) -> None:
-        """DESIGN.md §2 on one graph: no banned op / host sync / int64 at the boundary (contract.check_graph_call),
+        """The graph contract (docs/design.md §2) on one graph: no banned op / host sync / int64 at the boundary (contract.check_graph_call),
         and KV caches written in place (same storage, new contents) by exactly the graphs that own a cache."""
         name = f"{spec.tag}[{spec.bucket}]"
         g = torch.Generator().manual_seed(0)
@@ -70,8 +71,9 @@ class Engine:
             raise ContractViolation(f"{name}: {'writes' if changed else 'does not write'} a KV cache, "
                                     f"{'expected to' if spec.tag in KV_WRITERS else 'expected not to'}")
 
-    def export(self, out_dir: str, rank: int) -> list[dict]:
-        """Check and export every graph of this rank (CPU backend artifacts). Rank 0 prints progress."""
+    def export(self, out_dir: str) -> list[dict]:
+        """Check and export every graph of this rank (the export backend's artifacts). Rank 0 prints progress."""
+        rank = self.rank
         out = []
         for spec in graph_plan(self.setup):
             t0 = time.perf_counter()
@@ -86,55 +88,30 @@ class Engine:
         self.clear_caches()  # the example inputs wrote into the KV caches
         return out
 
-    def load_programs(self, art_dir: str, graphs: list[dict], rank: int) -> None:
+    def load_programs(self, art_dir: str, graphs: list[dict]) -> None:
         """Run the exported programs instead of the eager modules (same weights and caches)."""
+        rank = self.rank
         for g in graphs:
             key = (g["tag"], g["bucket"])
             self.graphs[key] = Program(Path(art_dir) / g["file"].replace("rank0", f"rank{rank}"), self.graphs[key],
                                        g["state_names"])
 
-    def compile(self, cache_dir: str | None = None, building: bool = False, rank: int = 0) -> list[dict]:
-        """torch.compile every graph of this rank now (the `compiled` backend, nxdi_voxtral/compiled.py); building:
-        check the contract on the eager graphs first and fill the artifact's compile cache."""
+    def check_contracts(self) -> None:
+        for spec in graph_plan(self.setup):
+            self.check_contract(spec)
+
+    def compile(self, target, cache_dir: str | None = None, building: bool = False) -> list[dict]:
+        """torch.compile every graph of this rank now for `target` (compiled.Target: the inductor and torchneuron
+        backends); building: check the contract on the eager graphs first and fill the artifact's compile cache."""
         from .compiled import compile_engine
         if building:
-            for spec in graph_plan(self.setup):
-                self.check_contract(spec)
-        return compile_engine(self, cache_dir, building, rank)
+            self.check_contracts()
+        return compile_engine(self, target, cache_dir, building)
 
 
 def load_voxtral(model_dir, sd: dict, cfg: VoxtralConfig, dtype, buckets: Buckets, tp=1, rank=0, comm=None):
     factory = lambda comm_: VoxtralModel(cfg, buckets.kv_lengths[-1], comm_)  # noqa: E731
     return build_and_load(factory, sd, dtype, str(model_dir), tp, rank, comm)
-
-
-# what the public pruned draft copies from the target, by checkpoint prefix
-SHAREABLE = {"embed_tokens": ("language_model.embed_tokens.",), "lm_head": ("lm_head.",),
-             "audio": ("audio_tower.", "multi_modal_projector.")}
-
-
-def share_with_target(draft, target, parts) -> None:
-    """One copy of what the draft shares with the target (and one audio encoder run)."""
-    if "embed_tokens" in parts:
-        draft.language_model.embed_tokens = target.language_model.embed_tokens
-    if "lm_head" in parts:
-        draft.lm_head = target.lm_head
-    if "audio" in parts:
-        draft.audio_tower, draft.multi_modal_projector = target.audio_tower, target.multi_modal_projector
-
-
-def same_tensors(a: dict, b: dict, prefixes: tuple[str, ...]) -> bool:
-    """Whether a's tensors under prefixes equal b's; each of a's is dropped from memory once compared (a draft's
-    copy of the target's LM head is read once, tensor by tensor, and never held)."""
-    keys = [k for k in a if k.startswith(prefixes)]
-    if keys != [k for k in b if k.startswith(prefixes)]:
-        return False
-    for k in keys:
-        equal = a[k].shape == b[k].shape and torch.equal(a[k], b[k])
-        release_file_pages(a[k])
-        if not equal:
-            return False
-    return True
 
 
 def check_request(draft, draft_kind, dtype):
@@ -182,4 +159,4 @@ def build_engine(model_dir, draft=None, draft_kind=None, k=None, dtype=torch.flo
     if draft_kind is not None and (not isinstance(k, int) or k < 1):
         raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
     graphs = {(s.tag, s.bucket): build_graph(s, setup, model, draft_model) for s in graph_plan(setup)}
-    return Engine(setup, model, draft_model, graphs, shared)
+    return Engine(setup, model, draft_model, graphs, shared, rank)

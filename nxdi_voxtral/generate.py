@@ -60,14 +60,6 @@ def decode(run, first_token: int, position: int, max_new_tokens: int, eos_id: in
     return tokens
 
 
-def check_capacity(prompt_len: int, max_new_tokens: int, buckets: Buckets) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if prompt_len + max_new_tokens > buckets.kv_lengths[-1]:
-        raise ConfigError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the largest "
-                          f"KV bucket ({buckets.kv_lengths[-1]}); lower max_new_tokens or add a larger kv bucket")
-
-
 def speculate(run, drafter, first_token: int, position: int, max_new_tokens: int, eos_id: int,
               buckets: Buckets, k: int, stats, on_tokens=None) -> list[int]:
     """Draft proposes up to k tokens, one target `verify` pass accepts the longest prefix that equals its own

@@ -1,8 +1,9 @@
 """The graphs: the single source of truth for tags, buckets and input signatures.
 
 Every graph is an nn.Module whose forward takes positional fixed-shape tensors (int32 ids and indices) and
-returns a tuple of tensors. The KV caches are buffers of the shared model, updated in place. `compile.build`
-and the runtime both enumerate graphs through `graph_plan` and build inputs through `example_inputs`.
+returns a tuple of tensors. The KV caches are buffers of the shared model, updated in place. The build, every
+backend and the runtime enumerate graphs through `graph_plan` and build inputs through `example_inputs`; the
+capacity rules (longest audio, new tokens that fit) and the manifest form of buckets and setup live here too.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .config import VoxtralConfig
 from .errors import AudioTooLongError, ConfigError
 from .model import VoxtralModel, causal_visible, cached_visible
 from .kernels import ops
+from .processing import HOP, SAMPLE_RATE
 
 I32 = torch.int32
 
@@ -55,10 +57,51 @@ class Buckets:
             raise ConfigError(f"largest KV bucket {self.kv_lengths[-1]} cannot hold the longest prompt "
                               f"({longest_prompt} tokens for {self.audio_chunks[-1]} chunks)")
 
+    def max_audio_seconds(self, cfg: VoxtralConfig) -> float:
+        """The longest audio the largest audio bucket holds (the one audio limit of the API, CLI and server)."""
+        return self.audio_chunks[-1] * cfg.audio.mel_frames_per_chunk * HOP / SAMPLE_RATE
+
+    def to_dict(self) -> dict:
+        return {"audio_chunks": list(self.audio_chunks), "kv_lengths": list(self.kv_lengths),
+                "text_slack": self.text_slack}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Buckets":
+        return cls(tuple(d["audio_chunks"]), tuple(d["kv_lengths"]), d["text_slack"])
+
+
+BUCKET_KEYS = {"audio": "audio_chunks", "kv": "kv_lengths"}
+
+
+def parse_buckets(text: str | None) -> Buckets:
+    """'audio=1,2:kv=512,1024' (the CLI's --buckets) -> Buckets; a ConfigError names the part that is wrong."""
+    if not text:
+        return Buckets()
+    example = "expected e.g. audio=1,2,4:kv=512,1024"
+    values = {}
+    for part in text.split(":"):
+        key, eq, vals = part.partition("=")
+        if not eq:
+            raise ConfigError(f"--buckets {text!r}: {part!r} has no '=': {example}")
+        if key not in BUCKET_KEYS:
+            raise ConfigError(f"--buckets {text!r}: unknown key {key!r} (known: {', '.join(BUCKET_KEYS)}); {example}")
+        if key in values:
+            raise ConfigError(f"--buckets {text!r}: {key} given twice")
+        try:
+            nums = tuple(int(x) for x in vals.split(","))
+        except ValueError:
+            raise ConfigError(f"--buckets {text!r}: {key}={vals!r} is not a comma-separated list of integers") from None
+        if any(n < 1 for n in nums) or list(nums) != sorted(set(nums)):
+            raise ConfigError(f"--buckets {text!r}: {key} sizes must be positive and strictly increasing, got {vals}")
+        values[BUCKET_KEYS[key]] = nums
+    return Buckets(**values)
+
 
 # ---------------------------------------------------------------- what is being compiled
 
 DRAFT_KINDS = ("layers", "dflash", "ngram")
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the command lines' --dtype
+DTYPES = {str(t): t for t in DTYPE_NAMES.values()}  # the manifest's dtype names
 
 
 @dataclass(frozen=True)
@@ -76,6 +119,37 @@ class GraphSetup:
     @property
     def feature_dim(self) -> int:
         return len(self.capture_layers) * self.cfg.text.hidden_size
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots a verify / draft block may write past the last emitted token."""
+        return self.k + self.dflash_block
+
+    def token_room(self, prompt_len: int) -> int:
+        """New tokens that fit the largest KV bucket after a prompt of prompt_len tokens (the one capacity rule)."""
+        return self.buckets.kv_lengths[-1] - prompt_len - self.lookahead
+
+    def check_capacity(self, prompt_len: int, max_new_tokens: int) -> None:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+            raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if max_new_tokens > self.token_room(prompt_len):
+            room = (f" + speculation room (K={self.k}" + (f" + DFlash block {self.dflash_block}" if self.dflash_block
+                                                         else "") + ")") if self.lookahead else ""
+            raise ConfigError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}){room} exceeds the "
+                              f"largest KV bucket ({self.buckets.kv_lengths[-1]}); lower "
+                              f"{'K or ' if self.lookahead else ''}max_new_tokens, or add a larger kv bucket")
+
+    def to_manifest(self) -> dict:
+        """What a manifest records of the setup (config and dtype are recorded beside it)."""
+        return {"draft_kind": self.draft_kind, "k": self.k, "buckets": self.buckets.to_dict(),
+                "graph_setup": {"capture_layers": list(self.capture_layers), "dflash_block": self.dflash_block,
+                                "draft_own_audio": self.draft_own_audio}}
+
+    @classmethod
+    def from_manifest(cls, manifest: dict, cfg: VoxtralConfig) -> "GraphSetup":
+        g = manifest["graph_setup"]
+        return cls(cfg, Buckets.from_dict(manifest["buckets"]), DTYPES[manifest["dtype"]], manifest["draft_kind"],
+                   manifest["k"], tuple(g["capture_layers"]), g["dflash_block"], g["draft_own_audio"])
 
 
 # The model whose KV cache each graph writes (None: none). On CPU the write is in place; the Neuron graphs also

@@ -1,25 +1,20 @@
-"""Artifact manifests: what was built, from which weights, for which host; every file with size and sha256."""
+"""Artifact manifests: what was built, from which weights, for which host; every file with size and sha256.
+Whether this host can run an artifact is its backend's call (backends.check_host)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import torch
 
+from .checkpoint import sha256_file
 from .errors import ArtifactError
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def file_entries(root: Path, paths) -> list[dict]:
@@ -32,10 +27,21 @@ def weight_files(model_dir: Path) -> list[Path]:
     return sorted([p for p in model_dir.iterdir() if p.name in names or p.suffix == ".safetensors"])
 
 
+def neuron_versions() -> dict:
+    """Versions of the Neuron stack on this host (None where a package is absent)."""
+    out = {}
+    for name in ("torch_neuronx", "neuronxcc", "neuronx_distributed", "neuronx_distributed_inference", "nki"):
+        try:
+            mod = __import__(name)
+            out[name] = str(getattr(mod, "__version__", "unknown"))
+        except ImportError:
+            out[name] = None
+    return out
+
+
 def host_versions() -> dict:
     import transformers
     from .kernels.ops import kernel_impl
-    from .neuron import neuron_versions
     neuron = neuron_versions()  # torch-neuronx, neuronx-cc, NxD, NxDI, nki (None where absent)
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "neuron_sdk": neuron["torch_neuronx"], "neuron": neuron, "kernels": kernel_impl()}
@@ -98,31 +104,3 @@ def verify(art_dir: str | Path, deep: bool = True, exact: bool = False) -> dict:
         if deep and sha256_file(p) != entry["sha256"]:
             raise ArtifactError(f"file {entry['path']}: sha256 mismatch (corrupted or modified)")
     return manifest
-
-
-def check_host(manifest: dict, tp_degree: int | None) -> None:
-    """Artifacts built for another backend / TP degree / software stack than this host: a typed error."""
-    host = host_versions()
-    if manifest["backend"] == "neuron" and host["neuron_sdk"] is None:
-        raise ArtifactError("backend: artifacts are NEFFs for Neuron, this host has no Neuron SDK")
-    if manifest["backend"] in ("cpu", "compiled") and manifest["versions"]["torch"] != host["torch"]:
-        what = "exported programs" if manifest["backend"] == "cpu" else "torch.compile caches"
-        raise ArtifactError(f"versions.torch: built with torch {manifest['versions']['torch']}, this host has "
-                            f"{host['torch']} ({what} are tied to the torch version)")
-    if manifest["backend"] == "compiled":
-        from .compiled import compile_target
-        built, here = manifest["compile"]["torch_compile_backend"], compile_target().backend
-        if built != here:
-            raise ArtifactError(f"compile.torch_compile_backend: the cache was built for torch.compile backend "
-                                f"{built!r}, this host compiles with {here!r}; rebuild the artifacts on this host")
-        if built == "neuron" and manifest["versions"]["neuron"].get("torch_neuronx") != host["neuron"]["torch_neuronx"]:
-            raise ArtifactError(f"versions.neuron.torch_neuronx: built with "
-                                f"{manifest['versions']['neuron'].get('torch_neuronx')}, this host has "
-                                f"{host['neuron']['torch_neuronx']} (NEFFs are tied to the compiler)")
-    if manifest["backend"] == "neuron":  # NEFFs and model.pt are tied to the compiler, NxD and runtime they came from
-        for name, built in manifest["versions"].get("neuron", {}).items():
-            if name != "nki" and built != host["neuron"].get(name):
-                raise ArtifactError(f"versions.neuron.{name}: built with {built}, this host has "
-                                    f"{host['neuron'].get(name)}; rebuild the artifacts on this SDK")
-    if tp_degree is not None and tp_degree != manifest["tp"]:
-        raise ArtifactError(f"tp: artifacts were built for tp={manifest['tp']}, tp_degree={tp_degree} requested")

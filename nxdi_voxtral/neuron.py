@@ -1,4 +1,5 @@
-"""Neuron backend for SDK <= 2.31: every (tag, bucket) graph through NxD's V1 ModelBuilder to neuronx-cc.
+"""The nxd backend (Neuron SDK <= 2.33, Trn1 / Inf2; backends/nxd.py): every (tag, bucket) graph through NxD's V1
+ModelBuilder to neuronx-cc.
 
 The graph modules are the ones the CPU backend runs (graphs.build_graph); here they are built with NxD's parallel
 layers (NxDComm), wrapped so that every graph has the same weight names (`target.*`, `draft.*`) and returns the
@@ -37,9 +38,10 @@ def require_nxd():
     try:
         from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
     except ImportError as e:
-        raise ArtifactError("backend neuron needs the Neuron SDK 2.29-2.31 (torch-neuronx, neuronx-cc, "
-                            f"neuronx-distributed from AWS's Neuron repository); not importable here ({e}). "
-                            "Use --backend cpu.") from None
+        from .backends.nxd import SUPPORTED
+        raise ArtifactError("backend nxd needs torch-neuronx 2.9, neuronx-cc and neuronx-distributed from AWS's "
+                            f"Neuron repository; not importable here ({e}). {SUPPORTED}; on CPU use --backend "
+                            "export") from None
     return BaseModelInstance, ModelBuilder
 
 
@@ -129,7 +131,7 @@ class StatefulGraph(nn.Module):
 
 def build_models(plan: "NeuronPlan", comm: Comm) -> Models:
     from .dflash import DFlashDraft
-    from .engine import share_with_target
+    from .drafts import share_with_target
     from .model import VoxtralModel
     s = plan.setup
     max_len = s.buckets.kv_lengths[-1]
@@ -234,35 +236,36 @@ def compile_neuron(engine, model_dir, draft_dir, out: Path, tp: int, progress=pr
     return [dict(tag=s.tag, bucket=s.bucket, compiler_args=compiler_args(s.tag)) for s in graph_plan(plan.setup)]
 
 
-class NeuronEngine:
-    """Runs the compiled model.pt on a Neuron host: NxD picks the graph by input shapes; aliased caches stay on
-    device, so each call returns only the graph's outputs."""
+class NeuronRanks:
+    """Runs the compiled model.pt on a Neuron host (the rank interface of ranks.py): NxD picks the graph by input
+    shapes and runs it on every rank; aliased caches stay on device, so each call returns only the graph's outputs."""
 
-    def __init__(self, art_dir: Path, manifest: dict):
+    pids: list[int] = []
+
+    def __init__(self, art_dir: Path, manifest: dict, build_kwargs: dict):
         try:
             import torch_neuronx  # noqa: F401  (registers the TorchScript classes model.pt refers to)
             from safetensors.torch import load_file
         except ImportError as e:
-            raise ArtifactError(f"artifacts for backend neuron need torch-neuronx on this host ({e})") from None
-        self.setup, self.model, self.draft = None, None, None
+            raise ArtifactError(f"artifacts for backend nxd need torch-neuronx on this host ({e})") from None
+        from .config import VoxtralConfig
+        from .graphs import GraphSetup
+        self.tp = manifest["tp"]
+        self.setup = GraphSetup.from_manifest(manifest, VoxtralConfig.from_dir(build_kwargs["model_dir"]))
         self.traced = torch.jit.load(str(art_dir / "model.pt"))
         weights = [load_file(str(art_dir / WEIGHTS_DIR / f"tp{r}_sharded_checkpoint.safetensors"))
-                   for r in range(manifest["tp"])]
+                   for r in range(self.tp)]
         self.traced.nxd_model.initialize(weights, torch.tensor([0], dtype=torch.int32))
 
     def run(self, tag: str, bucket: int, *inputs):
         out = self.traced(*inputs)
         return tuple(out) if isinstance(out, (list, tuple)) else (out,)
 
+    def call(self, method: str, *args) -> list:
+        raise ArtifactError(f"{method}: the NxD runtime holds NEFFs, not engines")
 
-def neuron_versions() -> dict:
-    """Versions of the Neuron stack on this host (None where a package is absent)."""
-    out = {}
-    for name in ("torch_neuronx", "neuronxcc", "neuronx_distributed", "neuronx_distributed_inference", "nki"):
-        try:
-            mod = __import__(name)
-            out[name] = str(getattr(mod, "__version__", "unknown"))
-        except ImportError:
-            out[name] = None
-    return out
+    def dead(self) -> bool:
+        return False
 
+    def close(self) -> None:
+        pass

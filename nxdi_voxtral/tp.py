@@ -1,4 +1,4 @@
-"""Tensor parallelism, the NxD way (DESIGN.md §3), written with plain torch.distributed.
+"""Tensor parallelism, the NxD way (docs/design.md §6), written with plain torch.distributed.
 
 One sharding description (`shard_spec`) drives both backends: on CPU ranks are processes with gloo collectives;
 on Neuron the same description becomes NxD parallel layers / partition_dim attributes.

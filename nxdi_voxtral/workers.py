@@ -156,7 +156,7 @@ def _worker(address: str, rank: int, tp: int, init_file: str) -> None:
     from .engine import build_engine
     from .tp import DistComm
     try:
-        # "gloo" on CPU; the compiled backend on a TorchNeuron host asks for "neuron" (compiled.Target)
+        # "gloo" on CPU; a backend on Neuron devices asks for its own (ranks.open_ranks' process_group)
         group = build_kwargs.pop("process_group", "gloo")
         dist.init_process_group(group, init_method=f"file://{init_file}", rank=rank, world_size=tp)
         engine = build_engine(**build_kwargs, tp=tp, rank=rank, comm=DistComm(rank, tp))
@@ -173,9 +173,9 @@ def _worker(address: str, rank: int, tp: int, init_file: str) -> None:
             break
         req, kind, *rest = msg
         try:
-            if kind == "call":  # an Engine method on every rank (export, load_programs)
+            if kind == "call":  # an Engine method on every rank (export, load_programs, compile)
                 name, args = rest
-                reply = (req, "ok", getattr(engine, name)(*args, rank=rank))
+                reply = (req, "ok", getattr(engine, name)(*args))
             else:
                 tag, bucket, inputs = rest
                 out = engine.run(tag, bucket, *inputs)
@@ -378,7 +378,7 @@ class RankWorkers:
         return self._collect(req, self.call_timeout_s, f"{tag}[{bucket}]")[0]
 
     def call(self, method: str, *args) -> list:
-        """Engine.method(*args, rank=r) on every rank -> the per-rank results (no time limit: exports are long)."""
+        """Engine.method(*args) on every rank -> the per-rank results (no time limit: exports are long)."""
         self._check_usable()
         req = self._next_request()
         self._send_all((req, "call", method, args), method)
@@ -392,6 +392,14 @@ class RankWorkers:
     @property
     def alive(self) -> bool:
         return any(p.poll() is None for p in self.procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def dead(self) -> bool:
+        """A rank process has exited (the runtime is unusable; the server reopens the model)."""
+        return any(p.poll() is not None for p in self.procs)
 
 
 if __name__ == "__main__":

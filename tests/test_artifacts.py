@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from artifacts.__main__ import deploy, main as artifacts_main, pack, rollback
-from compile.build import build, main as build_main
+from nxdi_voxtral.release import deploy, main as artifacts_main, pack, rollback
+from nxdi_voxtral.build import build, main as build_main
 from nxdi_voxtral import ArtifactError, Buckets, NxDVoxtralSpecDec
 from nxdi_voxtral.contract import ContractViolation
 
@@ -82,7 +82,7 @@ def flip_byte(path):
     (lambda d: (d / "manifest.json").write_text(
         (d / "manifest.json").read_text().replace('"torch": "', '"torch": "0.0-other-')), "versions.torch"),
     (lambda d: (d / "manifest.json").write_text(
-        (d / "manifest.json").read_text().replace('"backend": "cpu"', '"backend": "neuron"')), "backend"),
+        (d / "manifest.json").read_text().replace('"backend": "export"', '"backend": "nxd"')), "backend"),
 ])
 def test_broken_artifacts_give_typed_errors(built, tmp_path, breaker, match):
     d = broken_copy(built["layers"], tmp_path / "broken", breaker)
@@ -139,11 +139,11 @@ def test_interrupted_deploy_keeps_current_and_rollback(built, tmp_path):
 
 def test_build_cli(spec_dirs, tmp_path, capsys):
     rc = build_main(["--model", str(spec_dirs["target"]), "--tp", "1", "--buckets", "audio=1:kv=512",
-                     "--out", str(tmp_path / "cli"), "--backend", "cpu"])
+                     "--out", str(tmp_path / "cli"), "--backend", "export"])
     out = capsys.readouterr().out
     assert rc == 0 and "token_generation" in out and "graphs x 1 rank(s)" in out
-    assert build_main(["--model", str(spec_dirs["target"]), "--out", str(tmp_path / "cli"), "--backend", "cpu",
+    assert build_main(["--model", str(spec_dirs["target"]), "--out", str(tmp_path / "cli"), "--backend", "export",
                        "--buckets", "audio=1:kv=512"]) == 2  # refuses to overwrite
-    assert build_main(["--model", str(spec_dirs["target"]), "--out", str(tmp_path / "n"), "--backend", "neuron",
+    assert build_main(["--model", str(spec_dirs["target"]), "--out", str(tmp_path / "n"), "--backend", "nxd",
                        "--buckets", "audio=1:kv=512"]) == 2  # no Neuron SDK here: a clear error
-    assert "needs the Neuron SDK" in capsys.readouterr().err
+    assert "cannot build on this host" in capsys.readouterr().err

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from artifacts.__main__ import deploy, pack
-from compile.build import main as build_main
+from nxdi_voxtral.release import deploy, pack
+from nxdi_voxtral.build import main as build_main
 from nxdi_voxtral import ArtifactError, Buckets, NxDVoxtralSpecDec
-from nxdi_voxtral.compiled import CompiledGraph, summary
+from nxdi_voxtral.compiled import INDUCTOR, CompiledGraph, summary
 
 from conftest import noise
 
@@ -77,10 +77,10 @@ def generate_without_compiling(m, prompt) -> list[int]:
 
 def test_artifact_build_deploy_load_from_cache(spec_dirs, prompt, eager_tokens, tmp_path):
     out = tmp_path / "art"
-    assert build_main(["--model", str(spec_dirs["target"]), "--backend", "compiled", "--buckets", "audio=1:kv=512",
+    assert build_main(["--model", str(spec_dirs["target"]), "--backend", "inductor", "--buckets", "audio=1:kv=512",
                        "--out", str(out)]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["backend"] == "compiled" and manifest["versions"]["torch"] == torch.__version__
+    assert manifest["backend"] == "inductor" and manifest["versions"]["torch"] == torch.__version__
     assert manifest["compile"] == {"torch_compile_backend": "inductor", "device": "cpu", "cache_dir": "compile_cache"}
     assert {(g["tag"], g["bucket"]) for g in manifest["graphs"]} == {("audio_encoder", 1), ("context_encoding", 1),
                                                                     ("token_generation", 512)}
@@ -112,24 +112,24 @@ def test_artifact_from_another_torch_is_refused(spec_dirs, tmp_path):
     """Cheap: the check runs before any weight is loaded. The manifest of a compiled build, other torch."""
     d = tmp_path / "art"
     d.mkdir()
-    manifest = {"schema_version": 1, "backend": "compiled", "tp": 1, "files": [], "weights": {},
+    manifest = {"schema_version": 1, "backend": "inductor", "tp": 1, "files": [], "weights": {},
                 "versions": {"torch": "0.0-other", "neuron": {}},
                 "compile": {"torch_compile_backend": "inductor", "device": "cpu", "cache_dir": "compile_cache"}}
     (d / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match="torch.compile caches are tied to the torch version"):
+    with pytest.raises(ArtifactError, match="inductor artifacts are tied to the torch version"):
         NxDVoxtralSpecDec.from_artifacts(d)
     manifest["versions"]["torch"] = torch.__version__
     manifest["compile"]["torch_compile_backend"] = "neuron"
     (d / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match="built for torch.compile backend 'neuron', this host compiles with "
-                                            "'inductor'"):
+    with pytest.raises(ArtifactError, match="built for torch.compile backend 'neuron', backend 'inductor' "
+                                            "compiles with 'inductor'"):
         NxDVoxtralSpecDec.from_artifacts(d)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tokens_equal_eager_no_graph_break_no_recompile(spec_dirs, prompt, eager_tokens, kind):
     breaks = sum(counters["graph_break"].values())
-    m = load(spec_dirs, kind, backend="compiled")
+    m = load(spec_dirs, kind, backend="inductor")
     caches = m.engine.caches()
     where = {name: c.data_ptr() for name, c in caches.items()}
     assert sum(counters["graph_break"].values()) == breaks  # fullgraph=True would have raised anyway
@@ -143,11 +143,11 @@ def test_tokens_equal_eager_no_graph_break_no_recompile(spec_dirs, prompt, eager
 
 
 def test_tp2_compiled_tokens_equal_eager(spec_dirs, prompt, eager_tokens):
-    with load(spec_dirs, "ngram", backend="compiled", tp_degree=2) as m:
+    with load(spec_dirs, "ngram", backend="inductor", tp_degree=2) as m:
         assert {(r["tag"], r["bucket"]) for r in m.compile_stats} == {
             ("audio_encoder", 1), ("context_encoding", 1), ("token_generation", 512), ("verify", 512)}
         assert m.generate(prompt.input_ids, prompt.input_features, max_new_tokens=N_NEW)[0].tolist() == \
             eager_tokens["ngram"]
         # every rank compiled its own graphs at load; a second pass over them finds every one in dynamo's cache
-        again = [summary(r) for r in m.workers.call("compile", None)]
+        again = [summary(r) for r in m.ranks.call("compile", INDUCTOR, None)]
         assert [(s["traced"], s["aot_cache_hits"], s["inductor_compiles"]) for s in again] == [(0, 0, 0)] * 2

@@ -1,5 +1,5 @@
 """DFlash numerics: our draft's proposals equal a straightforward implementation written here from the
-formulas (DESIGN.md §1), fed with features from transformers' target model; and the acceptance tool."""
+formulas (docs/design.md §5), fed with features from transformers' target model; and the acceptance tool."""
 import json
 
 import pytest

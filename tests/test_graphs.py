@@ -1,4 +1,4 @@
-"""The graph contract (DESIGN.md §2) on every (tag, bucket)."""
+"""The graph contract (docs/design.md §2) on every (tag, bucket)."""
 import dataclasses
 
 import pytest

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from artifacts.__main__ import deploy, main as artifacts_main, pack, rollback
-from compile.build import main as build_main, parse_buckets
+from nxdi_voxtral.release import deploy, main as artifacts_main, pack, rollback
+from nxdi_voxtral.build import main as build_main, parse_buckets
 from nxdi_voxtral.errors import ArtifactError, ConfigError
 from nxdi_voxtral.manifest import write_manifest
 
@@ -24,7 +24,7 @@ def fake_artifact(root: Path, name: str, payload: bytes) -> Path:
     d = root / name
     (d / "graphs").mkdir(parents=True)
     (d / "graphs" / "g.pt2").write_bytes(payload)
-    write_manifest(d, {"schema_version": 1, "backend": "cpu", "tp": 1, "graphs": [], "weights": {}})
+    write_manifest(d, {"schema_version": 1, "backend": "export", "tp": 1, "graphs": [], "weights": {}})
     return d
 
 
@@ -116,7 +116,7 @@ def test_deploy_and_pack_argument_errors(tars, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     no_files = tmp_path / "nofiles"
     no_files.mkdir()
-    (no_files / "manifest.json").write_text(json.dumps({"schema_version": 1, "backend": "cpu"}))
+    (no_files / "manifest.json").write_text(json.dumps({"schema_version": 1, "backend": "export"}))
     assert artifacts_main(["verify", str(no_files)]) == 2
     assert "field files is missing" in capsys.readouterr().err
 
@@ -127,7 +127,7 @@ def test_build_arguments_refused_before_work(tiny_dir, tmp_path, capsys):
                         ("kv=512,x", "not a comma-separated list")]:
         with pytest.raises(ConfigError, match=match):
             parse_buckets(text)
-    base = ["--model", str(tiny_dir), "--backend", "cpu", "--buckets", "audio=1:kv=512"]
+    base = ["--model", str(tiny_dir), "--backend", "export", "--buckets", "audio=1:kv=512"]
     a_file = tmp_path / "file"
     a_file.write_text("x")
     assert build_main(base + ["--out", str(a_file)]) == 2 and "not a directory" in capsys.readouterr().err
@@ -140,9 +140,9 @@ def test_build_arguments_refused_before_work(tiny_dir, tmp_path, capsys):
 
 
 def test_failed_build_leaves_nothing_and_force_replaces_only_builds(tiny_dir, tmp_path, capsys, monkeypatch):
-    import compile.build as cb
+    import nxdi_voxtral.build as cb
     out = tmp_path / "out"
-    base = ["--model", str(tiny_dir), "--backend", "cpu", "--buckets", "audio=1:kv=512", "--out", str(out)]
+    base = ["--model", str(tiny_dir), "--backend", "export", "--buckets", "audio=1:kv=512", "--out", str(out)]
 
     def fail_after_writing(*a, **k):
         (out / "graphs").mkdir(parents=True)

@@ -51,11 +51,11 @@ def test_ctrl_c_mid_call_then_same_tokens_and_dead_rank_named(tiny_dir, prompt):
         assert gen(m, p) == ref, f"tokens differ after a Ctrl-C {delay} s into generate"
     assert landed >= 2
     # a rank that dies while idle: the next call names it, later calls say the model must be recreated
-    m.workers.procs[1].kill()
-    m.workers.procs[1].wait()
+    m.ranks.procs[1].kill()
+    m.ranks.procs[1].wait()
     with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) died \(killed by SIGKILL\) while idle"):
         gen(m, p)
-    assert not m.workers.alive  # rank 0 was shut down with it
+    assert not m.ranks.alive  # rank 0 was shut down with it
     with pytest.raises(ModelClosedError, match="create a new model"):
         gen(m, p)
     m.close()
@@ -66,7 +66,7 @@ def test_ctrl_c_mid_call_then_same_tokens_and_dead_rank_named(tiny_dir, prompt):
 def test_rank_killed_mid_call_is_named(tiny_dir, prompt):
     p = prompt
     m = NxDVoxtralSpecDec.from_pretrained(tiny_dir, buckets=B, tp_degree=2)
-    victim = m.workers.procs[1]
+    victim = m.ranks.procs[1]
     threading.Timer(0.2, victim.kill).start()
     with pytest.raises(WorkerError) as e:
         for _ in range(20):
@@ -79,14 +79,14 @@ def test_rank_killed_mid_call_is_named(tiny_dir, prompt):
 def test_stopped_rank_times_out_naming_it(tiny_dir, prompt):
     p = prompt
     m = NxDVoxtralSpecDec.from_pretrained(tiny_dir, buckets=B, tp_degree=2, call_timeout_s=2)
-    stopped = m.workers.procs[1]
+    stopped = m.ranks.procs[1]
     os.kill(stopped.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         with pytest.raises(WorkerError, match=rf"timed out after \d+ s: rank 1 \(pid {stopped.pid}\) is stopped"):
             gen(m, p)
         assert time.monotonic() - t0 < 30
-        assert stopped.poll() is not None and not m.workers.alive  # killed, not left stopped
+        assert stopped.poll() is not None and not m.ranks.alive  # killed, not left stopped
     finally:
         if stopped.poll() is None:
             os.kill(stopped.pid, signal.SIGCONT)
@@ -124,7 +124,7 @@ def test_sigterm_parent_leaves_no_temp_dir_and_startup_sweeps_stale_ones(tiny_di
         from nxdi_voxtral import NxDVoxtralSpecDec, Buckets
         m = NxDVoxtralSpecDec.from_pretrained({str(tiny_dir)!r}, tp_degree=2,
                                               buckets=Buckets(audio_chunks=(1,), kv_lengths=(512,)))
-        print(m.workers.tmpdir, *(p.pid for p in m.workers.procs), flush=True)
+        print(m.ranks.tmpdir, *(p.pid for p in m.ranks.procs), flush=True)
         time.sleep(600)
     """)
     p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

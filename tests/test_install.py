@@ -22,12 +22,12 @@ def test_install_beside_pypi_kernels(tmp_path):
     assert not (site / "compile").exists() and not (site / "artifacts").exists()
     assert (site / "nxdi_voxtral" / "kernels" / "ops.py").is_file()
     check = ("import sys; sys.path.insert(0, sys.argv[1]); import kernels, nxdi_voxtral.kernels.ops as ops, "
-             "nxdi_voxtral.compile.build as build, nxdi_voxtral.model; "
+             "nxdi_voxtral.build as build, nxdi_voxtral.model; "
              "assert kernels.__file__.startswith(sys.argv[1]) and hasattr(kernels, 'get_kernel'), kernels.__file__; "
              "assert ops.__file__.startswith(sys.argv[1]) and build.__file__.startswith(sys.argv[1]); "
              "print(ops.kernel_impl())")
     out = subprocess.run([sys.executable, "-c", check, str(site)], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "torch", out.stderr[-2000:]
-    help_ = subprocess.run([sys.executable, "-m", "nxdi_voxtral.compile.build", "--help"], cwd=tmp_path,
+    help_ = subprocess.run([sys.executable, "-m", "nxdi_voxtral.build", "--help"], cwd=tmp_path,
                            capture_output=True, text=True, env={"PYTHONPATH": str(site)})
     assert help_.returncode == 0 and "--tp" in help_.stdout, help_.stderr[-2000:]

@@ -48,22 +48,22 @@ NEURON = {"torch_neuronx": "2.9.0.2.15.32035", "neuronxcc": "2.27.5334.0", "neur
 
 
 def manifest_for(neuron):
-    return {"backend": "neuron", "tp": 4, "versions": {"torch": torch.__version__, "neuron_sdk": neuron["torch_neuronx"],
+    return {"backend": "nxd", "tp": 4, "versions": {"torch": torch.__version__, "neuron_sdk": neuron["torch_neuronx"],
                                                         "neuron": dict(neuron)}}
 
 
 def test_neuron_artifacts_need_the_stack_they_were_built_with(monkeypatch):
-    from nxdi_voxtral import manifest as mf
+    from nxdi_voxtral import backends, manifest as mf
     real = mf.host_versions
     monkeypatch.setattr(mf, "host_versions", lambda: {**real(), "neuron_sdk": None,
                                                       "neuron": {k: None for k in NEURON}})
     with pytest.raises(ArtifactError, match="no Neuron SDK"):
-        mf.check_host(manifest_for(NEURON), None)
+        backends.check_host(manifest_for(NEURON), None)
     other = {**NEURON, "neuronxcc": "2.26.1.0"}
     monkeypatch.setattr(mf, "host_versions", lambda: {**real(), "neuron_sdk": other["torch_neuronx"], "neuron": other})
     with pytest.raises(ArtifactError, match="versions.neuron.neuronxcc"):
-        mf.check_host(manifest_for(NEURON), None)
+        backends.check_host(manifest_for(NEURON), None)
     monkeypatch.setattr(mf, "host_versions", lambda: {**real(), "neuron_sdk": NEURON["torch_neuronx"], "neuron": NEURON})
-    mf.check_host(manifest_for(NEURON), 4)
+    backends.check_host(manifest_for(NEURON), 4)
     with pytest.raises(ArtifactError, match="tp"):
-        mf.check_host(manifest_for(NEURON), 2)
+        backends.check_host(manifest_for(NEURON), 2)

@@ -14,8 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from artifacts.__main__ import deploy, main as artifacts_main, pack, switch_link
-from compile.build import build
+from nxdi_voxtral.release import deploy, main as artifacts_main, pack, switch_link
+from nxdi_voxtral.build import build
 from nxdi_voxtral import Buckets, NxDVoxtralSpecDec
 from nxdi_voxtral.manifest import file_entries, weight_files, write_manifest
 from nxdi_voxtral.synthetic import demo_dirs, write_random_checkpoint

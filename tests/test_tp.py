@@ -152,7 +152,7 @@ def test_rank_processes_never_outlive_the_runtime(tp_dirs, how, tmp_path):
         from nxdi_voxtral import NxDVoxtralSpecDec, Buckets
         m = NxDVoxtralSpecDec.from_pretrained({str(tp_dirs["target"])!r}, tp_degree=2,
                                               buckets=Buckets(audio_chunks=(1,), kv_lengths=(512,)))
-        print(" ".join(str(p.pid) for p in m.workers.procs), flush=True)
+        print(" ".join(str(p.pid) for p in m.ranks.procs), flush=True)
         if {how!r} == "close":
             m.close()
             print("closed", flush=True)

@@ -274,10 +274,10 @@ def create_app(host: Host, metrics, model_name: str, max_upload_bytes: int, queu
         samples, sr = await run_in_threadpool(read_audio, await file.read())
         loaded = host.live
         if loaded is not None:
-            limit_s = loaded.model.buckets.audio_chunks[-1] * 30
+            limit_s = loaded.model.buckets.max_audio_seconds(loaded.model.cfg)
             if samples.shape[0] / sr > limit_s:
                 raise ApiError(413, f"audio of {samples.shape[0] / sr:.1f} s is longer than the largest audio bucket "
-                               f"({limit_s} s)", "audio_too_long", "file")
+                               f"({limit_s:g} s)", "audio_too_long", "file")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = Job(samples=samples, sampling_rate=sr, language=language or None,

@@ -52,7 +52,7 @@ def source_from_args(args):
             draft = str(demo[kind])
         print(f"[demo] no --model / --artifacts: synthetic demo weights, transcripts are meaningless ({path})",
               file=sys.stderr)
-    from ..compile.build import parse_buckets
+    from ..graphs import parse_buckets
     return Source("demo" if args.model is None else "model", path, draft, kind, args.num_speculative_tokens,
                   args.tp, args.dtype, parse_buckets(args.buckets) if args.buckets else None)
 

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..errors import ArtifactError, AudioTooLongError, VoxtralError
 from ..processing import SAMPLE_RATE, decode
+from ..graphs import DTYPE_NAMES as DTYPES
 
 log = logging.getLogger(__name__)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class RequestCancelled(Exception):
@@ -83,12 +82,10 @@ class Loaded:
     version: Version
 
     def rank_pids(self) -> list[int]:
-        w = self.model.workers
-        return [p.pid for p in w.procs] if w is not None else []
+        return list(self.model.ranks.pids)
 
     def workers_dead(self) -> bool:
-        w = self.model.workers
-        return w is not None and any(p.poll() is not None for p in w.procs)
+        return self.model.ranks.dead()
 
 
 def open_model(source: Source, resolved: str):
@@ -100,12 +97,6 @@ def open_model(source: Source, resolved: str):
                                              buckets=source.buckets, tp_degree=source.tp)
 
 
-def token_room(m, prompt_len: int) -> int:
-    """New tokens that fit the largest KV bucket after this prompt (and the draft's lookahead)."""
-    s = m.setup
-    return m.buckets.kv_lengths[-1] - prompt_len - s.k - s.dflash_block
-
-
 def warm(m) -> None:
     """Every graph once (on Neuron the first call of a NEFF loads it), then one real transcription of 1 s of
     silence: a version that cannot do this never takes traffic. Stale KV rows written here are never read."""
@@ -113,7 +104,8 @@ def warm(m) -> None:
     for spec in graph_plan(m.setup):
         m.run(spec.tag, spec.bucket, *example_inputs(spec, m.setup))
     p = m.prepare(np.zeros(SAMPLE_RATE, np.float32), sampling_rate=SAMPLE_RATE)
-    ids = m.generate(p.input_ids, p.input_features, max_new_tokens=max(1, min(8, token_room(m, p.input_ids.shape[1]))))
+    room = m.setup.token_room(p.input_ids.shape[1])
+    ids = m.generate(p.input_ids, p.input_features, max_new_tokens=max(1, min(8, room)))
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= m.cfg.text.vocab_size:
         raise ArtifactError(f"warm-up generated token ids outside the vocabulary: {ids.tolist()}")
 
@@ -300,7 +292,7 @@ class Host:
         m, t0 = loaded.model, time.perf_counter()
         prompt = m.prepare(job.samples, job.language, job.sampling_rate)
         prompt_len = prompt.input_ids.shape[1]
-        room = token_room(m, prompt_len)
+        room = m.setup.token_room(prompt_len)
         if room < 1:
             raise AudioTooLongError(f"a prompt of {prompt_len} tokens leaves no room in the largest KV bucket "
                                     f"({m.buckets.kv_lengths[-1]})")

@@ -13,7 +13,7 @@ torch_neuronx = pytest.importorskip("torch_neuronx", reason="needs torch-neuronx
 if not os.path.exists("/dev/neuron0") or not hasattr(torch_neuronx, "xla_impl"):
     pytest.skip("needs a Neuron device (/dev/neuron0) and the real torch-neuronx", allow_module_level=True)
 
-from compile.build import build  # noqa: E402
+from nxdi_voxtral.build import build  # noqa: E402
 from nxdi_voxtral import NxDVoxtralSpecDec  # noqa: E402
 
 from conftest import SMALL_BUCKETS, noise  # noqa: E402
@@ -26,7 +26,7 @@ def test_tp2_neffs_generate_the_cpu_tokens(kind, draft, spec_dirs, tmp_path):
     draft_dir = spec_dirs.get(draft) if draft else None
     out = tmp_path / "art"
     t0 = time.perf_counter()
-    build(spec_dirs["target"], out, draft=draft_dir, draft_kind=kind, tp=2, buckets=SMALL_BUCKETS, backend="neuron")
+    build(spec_dirs["target"], out, draft=draft_dir, draft_kind=kind, tp=2, buckets=SMALL_BUCKETS, backend="nxd")
     compile_s = time.perf_counter() - t0
     cpu = NxDVoxtralSpecDec.from_pretrained(spec_dirs["target"], draft=draft_dir, draft_kind=kind,
                                             buckets=SMALL_BUCKETS)

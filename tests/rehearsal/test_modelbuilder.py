@@ -17,7 +17,7 @@ import torch_xla.core.xla_builder as xb
 from safetensors.torch import load_file
 
 import neuron_rehearsal as nr
-from compile.build import build
+from nxdi_voxtral.build import build
 from nxdi_voxtral import NxDVoxtralSpecDec
 from nxdi_voxtral.engine import build_engine
 from nxdi_voxtral.graphs import CACHE_OWNER, Buckets, graph_plan
@@ -59,7 +59,7 @@ def built(request, spec_dirs, tmp_path_factory):
     os.environ["NEURON_REHEARSAL_DUMP"] = str(dump)
     try:
         stops_after_the_boundary(lambda: build(spec_dirs["target"], out / "art", draft=draft_of(spec_dirs, kind),
-                                               draft_kind=kind, tp=tp, buckets=SMALL, backend="neuron"))
+                                               draft_kind=kind, tp=tp, buckets=SMALL, backend="nxd"))
     finally:
         del os.environ["NEURON_REHEARSAL_DUMP"]
     setup = build_engine(spec_dirs["target"], draft=draft_of(spec_dirs, kind), draft_kind=kind, buckets=SMALL).setup
