@@ -16,13 +16,17 @@ CUDA graphs: each (tag, bucket) module is captured once with torch.cuda.CUDAGrap
 KV caches are the model's own buffers, written in place during replay); a call copies its inputs into the
 static buffers and replays.
 
+Measurement is benchmarks/common.py's, as in every benchmark: roofline_probe (device-to-device copy bandwidth,
+bf16 matmul rate), time_calls (CUDA events per call; alternating end-to-end runs), weight_bytes
+(Engine.weight_bytes()), markdown_table. This file runs standalone (`python3 benchmarks/cuda_realsize.py`): it puts
+the repository root on sys.path, which makes `benchmarks.common` importable.
+
     PYTHONUNBUFFERED=1 python3 benchmarks/cuda_realsize.py --out DIR          (CUDA, ~1 min on an H200)
     python benchmarks/cuda_realsize.py --tiny --device cpu                    (a seconds-long smoke test)
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 import traceback
@@ -43,8 +47,11 @@ if "nxdi_voxtral" not in sys.modules:
     _pkg.__path__ = [str(REPO_ROOT / "nxdi_voxtral")]
     sys.modules["nxdi_voxtral"] = _pkg
 
+from benchmarks.common import (markdown_table, median, roofline_ms, roofline_probe, time_calls,  # noqa: E402
+                               weight_bytes)
 from nxdi_voxtral.config import AudioEncoderConfig, TextConfig, VoxtralConfig  # noqa: E402
 from nxdi_voxtral.dflash import DFlashConfig, DFlashDraft  # noqa: E402
+from nxdi_voxtral.eval.divergence import first_divergence  # noqa: E402
 from nxdi_voxtral.generate import I32, cache_mask, decode, prepare_prefill, speculate  # noqa: E402
 from nxdi_voxtral.graphs import Buckets, GraphSetup, GraphSpec, build_graph, example_inputs, graph_plan  # noqa: E402
 from nxdi_voxtral.model import VoxtralModel, cached_visible  # noqa: E402
@@ -64,14 +71,7 @@ def say(text: str = "") -> None:
 
 
 def table(headers: list[str], rows: list[list]) -> None:
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
-        return str(v)
-    say("| " + " | ".join(headers) + " |")
-    say("|" + "|".join("---" for _ in headers) + "|")
-    for r in rows:
-        say("| " + " | ".join(fmt(v) for v in r) + " |")
+    say(markdown_table(headers, rows, pad=False, big=100, big_decimals=0))
     say()
 
 
@@ -196,54 +196,17 @@ class Runner:
         return self.static_out
 
 
-def time_ms(fn, warmup: int, reps: int, device: str) -> float:
-    """Median per-call time; each call is timed alone (the host loops read every result before the next call)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cpu":
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 # ---------------------------------------------------------------- ceilings measured in this run
 
 def measure_ceilings(device: str, tiny: bool) -> tuple[float, float]:
-    """(copy bandwidth GB/s counting bytes read + written, bf16 matmul TFLOP/s on random data)."""
-    n = (16 if tiny else 1024) * 2 ** 20 // 4
-    src = torch.randn(n, device=device)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), 3, 10, device)
-    bw = 2 * n * 4 / (ms * 1e-3) / 1e9
-    del src, dst
-    m = 512 if tiny else 8192
-    a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    ms = time_ms(lambda: a @ b, 3, 10, device)
-    return bw, 2 * m ** 3 / (ms * 1e-3) / 1e12
+    """(copy bandwidth GB/s counting bytes read + written, bf16 matmul TFLOP/s on random data): common.roofline_probe
+    over a 1 GiB (tiny: 16 MiB) fp32 tensor and an 8192^2 (tiny: 512^2) matmul, best of 10 alternating rounds."""
+    c = roofline_probe(device, read_gib=(16 if tiny else 1024) / 1024, methods=("copy",),
+                       matmul_n=512 if tiny else 8192, matmul_dtypes=("bf16",), rounds=10)
+    return c["bandwidth_gbps"], c["peak_gflops"]["bf16"] / 1e3
 
 
 # ---------------------------------------------------------------- analytical bytes and FLOPs per call
-
-def param_bytes(*modules) -> int:
-    seen, total = set(), 0
-    for m in modules:
-        for p in m.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
-    return total
-
 
 def linear_params(module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
@@ -255,18 +218,18 @@ class Costs:
 
     def __init__(self, cfg, target, draft, dflash, dtype):
         self.cfg, t, self.el = cfg, cfg.text, torch.tensor([], dtype=dtype).element_size()
-        self.head_bytes = param_bytes(target.lm_head)
+        self.head_bytes = weight_bytes(target.lm_head)
         self.head_flops = 2 * t.vocab_size * t.hidden_size
-        self.layers_bytes = param_bytes(target.language_model.layers, target.language_model.norm)
+        self.layers_bytes = weight_bytes(target.language_model.layers, target.language_model.norm)
         self.layers_lin = linear_params(target.language_model.layers)
-        self.draft_layers_bytes = param_bytes(draft.language_model.layers, draft.language_model.norm)
+        self.draft_layers_bytes = weight_bytes(draft.language_model.layers, draft.language_model.norm)
         self.draft_layers_lin = linear_params(draft.language_model.layers)
-        self.dflash_bytes = param_bytes(dflash)
+        self.dflash_bytes = weight_bytes(dflash)
         self.dflash_layers_lin = linear_params(dflash.layers)
         self.dflash_fc = dflash.fc.weight.numel()
         self.dflash_kv_lin = sum(l.self_attn.k_proj.weight.numel() + l.self_attn.v_proj.weight.numel()
                                  for l in dflash.layers)
-        self.audio_bytes = param_bytes(target.audio_tower, target.multi_modal_projector)
+        self.audio_bytes = weight_bytes(target.audio_tower, target.multi_modal_projector)
         self.audio_lin = linear_params(target.audio_tower.layers)
         self.proj_lin = linear_params(target.multi_modal_projector)
 
@@ -390,7 +353,8 @@ def main() -> None:
         torch.cuda.synchronize()
     costs = Costs(cfg, target, draft, dflash, dtype)
     gb = lambda b: b / 2 ** 30  # noqa: E731
-    say(f"models built on {dev} in {time.perf_counter() - t0:.1f} s: target weights {gb(param_bytes(target)):.2f} GiB, "
+    say(f"models built on {dev} in {time.perf_counter() - t0:.1f} s: target weights "
+        f"{gb(weight_bytes(target)):.2f} GiB, "
         f"pruned draft's own layers {gb(costs.draft_layers_bytes):.2f} GiB (keeps target layers {keep}; dropped layers "
         f"damped x{DAMP}), DFlash draft {gb(costs.dflash_bytes):.2f} GiB (5 layers, block {DFLASH_BLOCK}); "
         f"a decode step reads {costs.layers_bytes / 1e9:.2f} GB of decoder + {costs.head_bytes / 1e9:.2f} GB of LM head")
@@ -443,12 +407,13 @@ def main() -> None:
                        "audio_encoder": cfg.audio.max_source_positions}.get(spec.tag, prompt_len)
             try:
                 runner.probe(inputs)
-                eager = time_ms(lambda: runner.eager(*inputs), 2, reps_call, dev)
-                graph = "-"
+                eager = 1e3 * time_calls(lambda: runner.eager(*inputs), reps_call, warmup=2, reduce=median, device=dev)
+                graph = "-"   # per-call times: each call alone (the host loops read every result before the next)
                 if use_graphs:
                     try:
                         runner.capture(inputs)
-                        graph = time_ms(lambda: runner.replay(*inputs), 3, max(reps_call, 50), dev)
+                        graph = 1e3 * time_calls(lambda: runner.replay(*inputs), max(reps_call, 50), warmup=3,
+                                                reduce=median, device=dev)
                         graph_ms[(name, bucket)] = graph
                     except Exception as e:  # noqa: BLE001 - record and go on: one failed capture must not end the run
                         runner.capture_error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
@@ -463,7 +428,7 @@ def main() -> None:
                                  2 * prompt_len * costs.draft_layers_lin + costs.attn_flops(4, prompt_len, prompt_len))
             else:
                 nbytes, flops = costs(spec.tag, bucket, rows_in, setup.k, prompt_len)
-            roof = max(nbytes / (bw * 1e9), flops / (tflops * 1e12)) * 1e3
+            roof = roofline_ms(nbytes, bw, flops, tflops * 1e3)
             best = graph if isinstance(graph, float) else eager
             tag = name.split("/")[0] + (f" K={setup.k}" if spec.tag in ("verify", "draft_fused_k") else "")
             if runner.needs_default_device:
@@ -539,23 +504,24 @@ def main() -> None:
         t_c = time.perf_counter()
         return tokens, stats, 1e3 * (t_b - t_a), 1e3 * (t_c - t_b) / (len(tokens) - 1)
 
+    def guarded(mode: str, k: int | None):
+        def run():
+            try:
+                return one_run(mode, k)
+            except Exception as e:  # noqa: BLE001 - a failed configuration must not end the run
+                traceback.print_exc()
+                return e
+        return run
+
+    ms_tok_of = lambda r: r[3] if isinstance(r, tuple) else float("inf")  # noqa: E731
     modes = (["graph"] if use_graphs else []) + ["eager"]
     results = {}
     for mode in modes:
-        reps = reps_e2e if mode == "graph" else min(reps_e2e, 2)
-        for round_ in range(reps + 1):   # alternate the configurations, keep the fastest run of each; round 0 warms up
-            for k in (None, 2, 4):
-                try:
-                    tokens, stats, prefill_ms, ms_tok = one_run(mode, k)
-                except Exception as e:  # noqa: BLE001
-                    traceback.print_exc()
-                    results[(mode, k)] = e
-                    continue
-                if round_ == 0:
-                    continue
-                old = results.get((mode, k))
-                if not isinstance(old, tuple) or ms_tok < old[3]:
-                    results[(mode, k)] = (tokens, stats, prefill_ms, ms_tok)
+        # alternate the configurations (one warm-up round), keep the fastest run of each
+        outs = {}
+        time_calls({k: guarded(mode, k) for k in (None, 2, 4)}, reps_e2e if mode == "graph" else min(reps_e2e, 2),
+                   seconds=ms_tok_of, outputs=outs)
+        results.update({(mode, k): min(runs, key=ms_tok_of) for k, runs in outs.items()})
     if use_graphs:
         torch.cuda.synchronize()
     reference = results.get((modes[0], None))
@@ -577,8 +543,7 @@ def main() -> None:
                     analytical = stats.tau * c("token_generation") / (c(f"verify/k{k}") + c(f"draft_fused_k/k{k}"))
             passes = (stats.target_passes - 1) / (len(tokens) - 1)
             same = tokens == ref_tokens
-            first_diff = "-" if same or ref_tokens is None else next(
-                (i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), min(len(tokens), len(ref_tokens)))
+            first_diff = "-" if same or ref_tokens is None else first_divergence(tokens, ref_tokens)
             e2e_rows.append([mode, k or "plain", stats.tau if k else "-", passes, prefill_ms, ms_tok, speedup,
                              analytical, "yes" if same else f"no (from token {first_diff})",
                              f"{len(set(tokens))}/{len(tokens)}"])
@@ -592,7 +557,7 @@ def main() -> None:
     say(f"every row's tokens identical to plain greedy ({modes[0]}): {'yes' if same else 'NO'}")
     say()
     if not same and ref_tokens is not None:
-        first = min((next(i for i, (a, b) in enumerate(zip(r[0], ref_tokens)) if a != b), mode, k)
+        first = min((first_divergence(r[0], ref_tokens), mode, k)
                     for (mode, k), r in results.items() if isinstance(r, tuple) and r[0] != ref_tokens)
         i, mode, k = first
         try:
@@ -615,7 +580,7 @@ def main() -> None:
         say("### GPU memory")
         say()
         table(["what", "GiB"], [
-            ["target weights (incl. audio tower, embeddings, LM head)", gb(param_bytes(target))],
+            ["target weights (incl. audio tower, embeddings, LM head)", gb(weight_bytes(target))],
             ["pruned draft's own layers (the rest shared with the target)", gb(costs.draft_layers_bytes)],
             ["DFlash draft", gb(costs.dflash_bytes)],
             [f"KV caches (target, draft, DFlash; {buckets.kv_lengths[-1]} slots)", gb(kv)],

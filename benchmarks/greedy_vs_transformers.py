@@ -29,27 +29,19 @@ import torch
 if __package__ in (None, ""):  # run as a file: python benchmarks/greedy_vs_transformers.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (OtherCpuLoad, cpu_busy_fraction, distinct_ratio, markdown_table, median,
-                               mid_checkpoint, peak_rss_mib, run_json_subprocess, test_audio, timed)
+from nxdi_voxtral.eval.divergence import first_divergence
+
+from benchmarks.common import (OtherCpuLoad, cpu_busy_fraction, distinct_ratio, load_inputs as load_saved_inputs,
+                               make_inputs, markdown_table, median, mid_checkpoint, pct, peak_rss_mib,
+                               run_json_subprocess, save_inputs, time_calls, timed)
 
 MODULE = "benchmarks.greedy_vs_transformers"
 BUCKETS = dict(audio_chunks=(1,), kv_lengths=(512,))
 
 
-def make_inputs(model_dir: Path, seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids [1, T] and features [n_chunks, 128, 3000] from the package's own front end (tokenizer only)."""
-    from nxdi_voxtral.config import VoxtralConfig
-    from nxdi_voxtral.processing import build_prompt, load_tokenizer
-    cfg = VoxtralConfig.from_dir(model_dir)
-    p = build_prompt(load_tokenizer(model_dir), test_audio(seconds), "en", cfg.audio.num_mel_bins,
-                     cfg.audio.mel_frames_per_chunk)
-    return p.input_ids, p.input_features
-
-
 def load_inputs(args) -> tuple[torch.Tensor, torch.Tensor]:
     if args.inputs:
-        d = torch.load(args.inputs)
-        return d["input_ids"], d["input_features"]
+        return load_saved_inputs(args.inputs)
     return make_inputs(Path(args.model_dir), args.seconds)
 
 
@@ -62,12 +54,12 @@ def bench_ours(args) -> dict:
 
     def once():
         t = {}
-        out, wall = timed(m.generate, input_ids, feats, max_new_tokens=args.max_new_tokens, timings=t)
-        return out[0].tolist(), t, wall
+        return m.generate(input_ids, feats, max_new_tokens=args.max_new_tokens, timings=t)[0].tolist(), t
 
     once()  # warm-up
+    runs = []
     c0, w0 = time.process_time(), time.perf_counter()
-    runs = [once() for _ in range(args.runs)]
+    e2e = time_calls(once, args.runs, warmup=0, reduce=median, outputs=runs)
     cpu_per_wall = (time.process_time() - c0) / (time.perf_counter() - w0)
     tokens = runs[-1][0]
     assert all(r[0] == tokens for r in runs), "ours: greedy output differs between runs"
@@ -76,7 +68,7 @@ def bench_ours(args) -> dict:
         impl="ours", tokens=tokens, load_s=load_s, cpu_per_wall=cpu_per_wall,
         prefill_ms=1e3 * median(r[1]["prefill_s"] for r in runs),
         decode_ms_per_token=1e3 * median(r[1]["decode_s"] / max(n - 1, 1) for r in runs),
-        e2e_ms_per_token=1e3 * median(r[2] / n for r in runs),
+        e2e_ms_per_token=1e3 * e2e / n,
     )
 
 
@@ -85,33 +77,31 @@ def bench_transformers(args) -> dict:
     from nxdi_voxtral.config import VoxtralConfig
     input_ids, feats = load_inputs(args)
     eos = VoxtralConfig.from_dir(args.model_dir).text.eos_token_id
-    t0 = time.perf_counter()
-    model = VoxtralForConditionalGeneration.from_pretrained(args.model_dir, dtype=torch.float32).eval()
-    load_s = time.perf_counter() - t0
+    model, load_s = timed(VoxtralForConditionalGeneration.from_pretrained, args.model_dir, dtype=torch.float32)
+    model.eval()
 
     def gen(n):
         with torch.inference_mode():
-            out, wall = timed(model.generate, input_ids=input_ids, input_features=feats, max_new_tokens=n,
-                              do_sample=False, eos_token_id=eos, pad_token_id=eos)
-        return out[0, input_ids.shape[1]:].tolist(), wall
+            out = model.generate(input_ids=input_ids, input_features=feats, max_new_tokens=n, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos)
+        return out[0, input_ids.shape[1]:].tolist()
 
     gen(args.max_new_tokens)  # warm-up
-    t1, tn, tokens = [], [], None
+    outs = {}
     c0, w0 = time.process_time(), time.perf_counter()
-    for _ in range(args.runs):  # interleave so drift hits both equally
-        t1.append(gen(1)[1])
-        toks, w = gen(args.max_new_tokens)
-        assert tokens is None or toks == tokens, "transformers: greedy output differs between runs"
-        tokens = toks
-        tn.append(w)
+    # interleave so drift hits both equally
+    t = time_calls({"1": lambda: gen(1), "n": lambda: gen(args.max_new_tokens)}, args.runs, warmup=0, reduce=median,
+                   outputs=outs)
     cpu_per_wall = (time.process_time() - c0) / (time.perf_counter() - w0)
+    tokens = outs["n"][-1]
+    assert all(toks == tokens for toks in outs["n"]), "transformers: greedy output differs between runs"
     n = len(tokens)
     return dict(
         impl="transformers", tokens=tokens, load_s=load_s, cpu_per_wall=cpu_per_wall,
         attn_impl=model.config._attn_implementation,
-        prefill_ms=1e3 * median(t1),
-        decode_ms_per_token=1e3 * (median(tn) - median(t1)) / max(n - 1, 1),
-        e2e_ms_per_token=1e3 * median(tn) / n,
+        prefill_ms=1e3 * t["1"],
+        decode_ms_per_token=1e3 * (t["n"] - t["1"]) / max(n - 1, 1),
+        e2e_ms_per_token=1e3 * t["n"] / n,
     )
 
 
@@ -163,7 +153,7 @@ def parent(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         inputs = Path(tmp) / "inputs.pt"
         input_ids, feats = make_inputs(model_dir, args.seconds)
-        torch.save({"input_ids": input_ids, "input_features": feats}, inputs)
+        save_inputs(inputs, input_ids, feats)
         common = ["--json", "--model-dir", str(model_dir), "--inputs", str(inputs),
                   "--max-new-tokens", str(args.max_new_tokens), "--runs", str(args.runs)]
         res = {}
@@ -178,7 +168,7 @@ def parent(args) -> None:
         d, n = distinct_ratio(r["tokens"])
         rows.append([r["impl"], r["prefill_ms"], r["decode_ms_per_token"], r["e2e_ms_per_token"], n, d,
                      r["peak_rss_mib"], r["load_s"], r["cpu_per_wall"],
-                     "n/a" if r["other_cpu"] is None else f"{100 * r['other_cpu']:.0f}%",
+                     pct(r["other_cpu"]),
                      r["decode_ms_per_token"] / hf["decode_ms_per_token"]])
     headers = ["implementation", "prefill ms", "ms/token (decode)", "ms/token (e2e)", "tokens", "distinct tokens",
                "peak RSS MiB", "load s", "CPU s / wall s", "other procs' CPU", "decode ratio vs transformers"]
@@ -196,9 +186,7 @@ def parent(args) -> None:
     print()
     print(f"identical greedy tokens: {same} ({len(ours['tokens'])} vs {len(hf['tokens'])} tokens)")
     if not same:
-        k = next((i for i, (a, b) in enumerate(zip(ours["tokens"], hf["tokens"])) if a != b),
-                 min(len(ours["tokens"]), len(hf["tokens"])))
-        print(f"  first difference at new token {k}")
+        print(f"  first difference at new token {first_divergence(ours['tokens'], hf['tokens'])}")
     for r in (ours, hf):
         if eos in r["tokens"]:
             print(f"  {r['impl']}: EOS at new token {r['tokens'].index(eos)} (generation stopped early)")

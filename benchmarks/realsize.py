@@ -64,8 +64,10 @@ if __package__ in (None, ""):
 
 from nxdi_voxtral.eval.divergence import first_divergence
 
-from benchmarks.common import (REALSIZE_DRAFT_LAYERS, OtherCpuLoad, cache_root, cpu_busy_fraction, markdown_table,
-                               median, mid_config, proc_mem_gib, realsize_config, run_json_subprocess, test_audio)
+from benchmarks.common import (REALSIZE_DRAFT_LAYERS, OtherCpuLoad, cache_root, cpu_busy_fraction, load_inputs,
+                               make_inputs, markdown_table, median, mid_config, pct, proc_mem_gib, realsize_config,
+                               roofline_ms, roofline_probe, run_json_subprocess, save_inputs, time_calls, timed,
+                               weight_bytes)
 
 MODULE = "benchmarks.realsize"
 SEED, STD, AUDIO_STD, DAMP = 0, 0.3, 0.05, 0.02
@@ -260,11 +262,9 @@ def bench_checkpoint(config: str, seed: int = SEED, damp: float = DAMP) -> dict[
 # ---------------------------------------------------------------- machine ceilings (parent, before any child)
 
 def stream_read_gbs(gib: float = 2.0, reps: int = 5) -> float:
-    """Streaming-read bandwidth: sum over a `gib` GiB fp32 tensor, best of `reps` (all torch threads)."""
-    x = torch.ones(int(gib * 2**30) // 4)
-    x.sum()
-    best = min(_time(lambda: x.sum()) for _ in range(reps))
-    return x.numel() * 4 / best / 1e9
+    """Streaming-read bandwidth: common.roofline_probe's `t.sum()` over a `gib` GiB fp32 tensor, best of `reps`
+    (all torch threads)."""
+    return roofline_probe(read_gib=gib, methods=("sum",), matmul_n=None, rounds=reps)["bandwidth_gbps"]
 
 
 def bf16_gemm_gbs(cfg, cols: int = 16, reps: int = 5) -> float:
@@ -272,35 +272,20 @@ def bf16_gemm_gbs(cfg, cols: int = 16, reps: int = 5) -> float:
     shape of a decode step's MLP products on torch's kernels (the torch twin pads bf16 rows to 16 columns)."""
     w = torch.randn(cfg.text.intermediate_size, cfg.text.hidden_size).to(torch.bfloat16)
     x = torch.randn(cfg.text.hidden_size, cols).to(torch.bfloat16)
-    w @ x
-    return w.numel() * 2 / min(_time(lambda: w @ x) for _ in range(reps)) / 1e9
-
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return w.nbytes / time_calls(lambda: w @ x, reps) / 1e9
 
 
 def decode_bytes(cfg) -> dict[str, int]:
-    """bf16 bytes a decode step reads once: decoder layers + final norm, LM head."""
+    """bf16 bytes a decode step reads once: decoder layers + final norm, LM head (common.weight_bytes of a
+    meta-device model: nothing allocated)."""
     from nxdi_voxtral.model import VoxtralModel
     with torch.device("meta"):
-        sd = VoxtralModel(cfg, max_len=1).state_dict()
-    dec = sum(v.numel() * 2 for k, v in sd.items() if k.startswith(("language_model.layers.", "language_model.norm.")))
-    return {"decoder": dec, "lm_head": sd["lm_head.weight"].numel() * 2}
+        model = VoxtralModel(cfg, max_len=1).to(torch.bfloat16)
+    lm = model.language_model
+    return {"decoder": weight_bytes(lm.layers, lm.norm), "lm_head": weight_bytes(model.lm_head)}
 
 
-# ---------------------------------------------------------------- inputs and buckets
-
-def make_inputs(model_dir: Path, seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
-    from nxdi_voxtral.config import VoxtralConfig
-    from nxdi_voxtral.processing import build_prompt, load_tokenizer
-    cfg = VoxtralConfig.from_dir(model_dir)
-    p = build_prompt(load_tokenizer(model_dir), test_audio(seconds), "en", cfg.audio.num_mel_bins,
-                     cfg.audio.mel_frames_per_chunk)
-    return p.input_ids, p.input_features
-
+# ---------------------------------------------------------------- buckets
 
 def buckets_for(n_chunks: int, prompt_len: int, tokens: int, cfg):
     """One audio bucket, one KV bucket (the smallest power of two >= 512 holding prompt + tokens + K + 16)."""
@@ -327,34 +312,26 @@ def _progress(label: str, total: int, t_start: float):
     return on_tokens
 
 
-def per_call_ms(fn, n: int) -> float:
-    fn()
-    return 1e3 * median(_time(fn) for _ in range(n))
-
-
 def call_costs(m, position: int, n: int) -> dict:
     """specdec.call_fns's single graph calls at the one KV bucket (token_generation; with a layer draft the K+1-row
-    verify and draft_fused_k), median of n after one warm-up."""
+    verify and draft_fused_k), ms, median of n after one warm-up, one call after another."""
     from benchmarks.specdec import call_fns
     names = {"decode": "decode", f"verify {m.setup.k + 1}": "verify", "draft": "draft"}
     fns = call_fns(m, position, bucket=m.buckets.kv_lengths[0])
-    return {names[name]: per_call_ms(fn, n) for name, fn in fns.items() if name in names}
+    return {names[name]: 1e3 * time_calls(fn, n, reduce=median) for name, fn in fns.items() if name in names}
 
 
 def child_ours(args) -> dict:
     from nxdi_voxtral import NxDVoxtralSpecDec
-    d = torch.load(args.inputs)
-    ids, feats = d["input_ids"], d["input_features"]
+    ids, feats = load_inputs(args.inputs)
     cfg, _ = bench_config(args.config)
     buckets = buckets_for(feats.shape[0], ids.shape[1], args.tokens, cfg)
     label = args.child
     log(f"{label}: loading {'target + layer draft' if args.k else 'target'} (bf16, tp {args.tp}, buckets "
         f"{buckets.audio_chunks} chunks / KV {buckets.kv_lengths})")
-    t0 = time.perf_counter()
-    m = NxDVoxtralSpecDec.from_pretrained(args.target, draft=args.draft if args.k else None,
-                                          draft_kind="layers" if args.k else None, num_speculative_tokens=args.k,
-                                          dtype=torch.bfloat16, buckets=buckets, tp_degree=args.tp)
-    load_s = time.perf_counter() - t0
+    m, load_s = timed(NxDVoxtralSpecDec.from_pretrained, args.target, draft=args.draft if args.k else None,
+                      draft_kind="layers" if args.k else None, num_speculative_tokens=args.k,
+                      dtype=torch.bfloat16, buckets=buckets, tp_degree=args.tp)
     with m:
         pids = m.ranks.pids or ["self"]
         weights = m.ranks.call("weight_bytes")
@@ -386,14 +363,12 @@ def child_transformers(args) -> dict:
     from transformers import VoxtralForConditionalGeneration
     from transformers.generation.streamers import BaseStreamer
     from nxdi_voxtral.config import VoxtralConfig
-    d = torch.load(args.inputs)
-    ids, feats = d["input_ids"], d["input_features"]
+    ids, feats = load_inputs(args.inputs)
     eos = VoxtralConfig.from_dir(args.target).text.eos_token_id
     log("transformers: loading (bf16)")
-    t0 = time.perf_counter()
-    model = VoxtralForConditionalGeneration.from_pretrained(args.target, dtype=torch.bfloat16).eval()
-    load_s = time.perf_counter() - t0
-    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    model, load_s = timed(VoxtralForConditionalGeneration.from_pretrained, args.target, dtype=torch.bfloat16)
+    model.eval()
+    weights = weight_bytes(model)
     at_load = proc_mem_gib()
     log(f"transformers: loaded in {load_s:.1f} s; weights {weights / 2**30:.2f} GiB, peak RSS "
         f"{at_load.get('VmHWM', 0):.2f} GiB")
@@ -485,7 +460,7 @@ def parent(args) -> None:
     def measure_ceilings() -> None:
         bw, gemm = stream_read_gbs(), bf16_gemm_gbs(cfg)
         ceilings.append((bw, gemm))
-        log(f"bandwidth {bw:.1f} GB/s (roofline {1e3 * sum(nbytes.values()) / (bw * 1e9):.0f} ms/token for "
+        log(f"bandwidth {bw:.1f} GB/s (roofline {roofline_ms(sum(nbytes.values()), bw):.0f} ms/token for "
             f"{sum(nbytes.values()) / 1e9:.2f} GB per token); bf16 GEMM {gemm:.1f} GB/s")
 
     log("measuring streaming-read bandwidth (2 GiB fp32 sum) and a bf16 decode-shaped GEMM")
@@ -498,7 +473,7 @@ def parent(args) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             inputs = Path(tmp) / "inputs.pt"
             ids, feats = make_inputs(dirs["target"], seconds)
-            torch.save({"input_ids": ids, "input_features": feats}, inputs)
+            save_inputs(inputs, ids, feats)
             common = ["--config", args.config, "--target", str(dirs["target"]), "--draft", str(dirs["layers"]),
                       "--inputs", str(inputs), "--tokens", str(args.tokens), "--cost-calls", str(args.cost_calls)]
             res = {}
@@ -526,7 +501,7 @@ def parent(args) -> None:
         results["runs"][f"{seconds:g}"] = {"prompt_tokens": ids.shape[1], "chunks": feats.shape[0], "rows": res}
     bw, gemm = max(c[0] for c in ceilings), max(c[1] for c in ceilings)
     results.update(bandwidth_gbs=bw, bf16_gemm_gbs=gemm, ceilings=ceilings,
-                   roofline_ms=1e3 * (nbytes["decoder"] + nbytes["lm_head"]) / (bw * 1e9),
+                   roofline_ms=roofline_ms(nbytes["decoder"] + nbytes["lm_head"], bw),
                    wall_s=time.perf_counter() - t_start, threads=torch.get_num_threads())
     results["text"] = text = render(results)
     print(text)
@@ -541,7 +516,7 @@ def render(results: dict) -> str:
                                   audio=type(realsize_config().audio)(**results["cfg"]["audio"]),
                                   text=type(realsize_config().text)(**results["cfg"]["text"]))
     nbytes, ceilings, bw = results["decode_bytes"], results["ceilings"], results["bandwidth_gbs"]
-    roofline_ms, busy = results["roofline_ms"], results.get("cpu_busy_before")
+    roof_ms, busy = results["roofline_ms"], results.get("cpu_busy_before")
     bws = [c[0] for c in ceilings]
     head = [f"## Real-size bf16 on this CPU: {results['config']} config ({config_line(cfg)})\n",
             f"random weights (std {STD}, audio {AUDIO_STD}; layers outside {results['draft_layers']} damped "
@@ -550,7 +525,7 @@ def render(results: dict) -> str:
             f"bandwidth (2 GiB fp32 sum; best of {len(ceilings)} measurements, one before each row): "
             f"{bw:.1f} GB/s; a decode step reads "
             f"{nbytes['decoder'] / 1e9:.2f} GB decoder + {nbytes['lm_head'] / 1e9:.2f} GB LM head -> roofline "
-            f"{roofline_ms:.0f} ms/token; bf16 GEMM {cfg.text.intermediate_size}x{cfg.text.hidden_size} @ 16 "
+            f"{roof_ms:.0f} ms/token; bf16 GEMM {cfg.text.intermediate_size}x{cfg.text.hidden_size} @ 16 "
             f"columns: {results['bf16_gemm_gbs']:.1f} GB/s of weights",
             f"code: {results['code']}; checkpoint: {results['checkpoint']}"
             + ("" if busy is None else f"; other processes' CPU before the run: {100 * busy:.0f}%")]
@@ -559,7 +534,7 @@ def render(results: dict) -> str:
                     f"(see 'other procs' CPU'; with the CPUs idle too on this VM): timings taken in different "
                     f"processes (rows) vary with it; 'analytical' (tau x decode / (verify + draft), from one "
                     f"process's per-call costs) is the steadier speculation figure")
-    out = [report(float(seconds), run["prompt_tokens"], run["chunks"], run["rows"], roofline_ms)
+    out = [report(float(seconds), run["prompt_tokens"], run["chunks"], run["rows"], roof_ms)
            for seconds, run in results["runs"].items()]
     tail = f"\n\nbenchmark wall time {results['wall_s']:.0f} s" if "wall_s" in results else ""
     return "\n".join(head) + "\n\n" + "\n\n".join(out) + tail
@@ -589,7 +564,7 @@ def config_line(cfg) -> str:
             f"heads x {t.head_dim}, vocab {t.vocab_size}; audio {a.num_layers} x {a.hidden_size}")
 
 
-def report(seconds: float, prompt_tokens: int, chunks: int, res: dict, roofline_ms: float) -> str:
+def report(seconds: float, prompt_tokens: int, chunks: int, res: dict, roof_ms: float) -> str:
     ok = {k: r for k, r in res.items() if "error" not in r}
     greedy, hf = ok.get("greedy tp1"), ok.get("transformers")
     rows, mem, costs = [], [], []
@@ -601,14 +576,14 @@ def report(seconds: float, prompt_tokens: int, chunks: int, res: dict, roofline_
         peak = max(m.get("VmHWM", 0) for m in r["mem_at_end"])
         ratio = max(a.get("VmHWM", 0) * 2**30 / w for a, w in zip(r["mem_at_load"], r["weight_bytes"]))
         c = r.get("costs", {})
-        rows.append([label, r["load_s"], r["prefill_s"], ms, ms / roofline_ms, ms / hf["decode_ms_per_token"] if hf else "-",
+        rows.append([label, r["load_s"], r["prefill_s"], ms, ms / roof_ms, ms / hf["decode_ms_per_token"] if hf else "-",
                      f"{r['tau']:.2f}" if r.get("tau") is not None else "-",
                      greedy["decode_ms_per_token"] / ms if greedy and r.get("k") else "-",
                      r["tau"] * c["decode"] / (c["verify"] + c["draft"]) if "verify" in c else "-",
                      c["verify"] / c["decode"] if "verify" in c else "-",
                      c["draft"] / c["decode"] if "draft" in c else "-",
                      peak, ratio,
-                     "n/a" if r.get("other_cpu") is None else f"{100 * r['other_cpu']:.0f}%"])
+                     pct(r.get("other_cpu"))])
         for rank, (w, a, e) in enumerate(zip(r["weight_bytes"], r["mem_at_load"], r["mem_at_end"])):
             mem.append([label, rank if len(r["weight_bytes"]) > 1 else "-", w / 2**30, a.get("VmHWM", 0),
                         a.get("VmHWM", 0) * 2**30 / w, a.get("RssAnon", 0), a.get("RssFile", 0), e.get("VmHWM", 0)])

@@ -9,8 +9,9 @@ target layers (1, 3, 5, 8, 10). 30 s of audio, KV bucket 512, batch 1, torch's d
 Every timing is the minimum over >= 5 runs, ALTERNATING between the things compared, in one process per
 configuration (a subprocess each, so peak RSS is its own).
 
-Host line: streaming-read bandwidth BW = max over `t.sum()`, `torch.mv` and 1-row `row_linear` over a 1 GiB fp32
-tensor (the method kept is named), compute peak = 2048^3 matmul GFLOP/s (fp32; bf16 for the bf16 table).
+Host line (common.roofline_probe): streaming-read bandwidth BW = max over `t.sum()`, `torch.mv` and 1-row
+`row_linear` over a 1 GiB fp32 tensor (the method kept is named), compute peak = 2048^3 matmul GFLOP/s (fp32; bf16
+for the bf16 table). Timings: common.time_calls; weight bytes: common.weight_bytes (Engine.weight_bytes()).
 
 Per-call table (one process per dtype; fp32, and bf16 too with --dtype bf16): single graph calls at the KV bucket.
   rows         decode = 1-row token_generation; verify with K+1 rows (the eager verify graph is the same module for
@@ -52,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -60,7 +60,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import OtherCpuLoad, cache_root, markdown_table, peak_rss_mib, run_json_subprocess, test_audio
+from benchmarks.common import (OtherCpuLoad, cache_root, markdown_table, peak_rss_mib, pct, roofline_ms, roofline_probe,
+                               run_json_subprocess, test_audio, time_calls, timed, weight_bytes, yes_no)
 
 MODULE = "benchmarks.specdec"
 DAMP, KEEP, SEED, STD = 0.02, [0, 11], 0, 0.3
@@ -106,37 +107,6 @@ def prompt(m):
     return m.prepare(test_audio(30.0), language="en", sampling_rate=16000)
 
 
-def alternate_min(fns: dict, rounds: int) -> dict:
-    """One untimed warm-up call each, then `rounds` rounds calling every fn once in turn -> min seconds per fn."""
-    for f in fns.values():
-        f()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
-
-
-# ---------------------------------------------------------------- host limits
-
-def host_limits(rounds: int) -> dict:
-    """Streaming-read GB/s of a 1 GiB fp32 tensor three ways (max kept) and 2048^3 matmul GFLOP/s (fp32, bf16)."""
-    from nxdi_voxtral.cpu_kernels import kernel_library, row_linear
-    w, x = torch.ones(2**15, 2**13), torch.ones(2**13)
-    rl = f"row_linear 1 row ({'kernel' if kernel_library() is not None else 'torch twin'})"
-    t = alternate_min({"t.sum()": w.sum, "torch.mv": lambda: torch.mv(w, x), rl: lambda: row_linear(x[None], w)},
-                      rounds)
-    gbps = {name: w.nbytes / s / 1e9 for name, s in t.items()}
-    a = torch.randn(2048, 2048)
-    b = a.bfloat16()
-    t = alternate_min({"fp32": lambda: a @ a, "bf16": lambda: b @ b}, rounds)
-    kept = max(gbps, key=gbps.get)
-    return dict(threads=torch.get_num_threads(), read_gbps=gbps, bandwidth_method=kept, bandwidth_gbps=gbps[kept],
-                peak_gflops={d: 2 * 2048**3 / s / 1e9 for d, s in t.items()})
-
-
 # ---------------------------------------------------------------- graph calls and the work they do
 
 def call_fns(m, position: int, verify_rows=(), bucket: int = KV) -> dict:
@@ -165,10 +135,6 @@ def call_fns(m, position: int, verify_rows=(), bucket: int = KV) -> dict:
     return fns
 
 
-def pbytes(*mods) -> int:
-    return sum(p.numel() * p.element_size() for mod in mods for p in mod.parameters())
-
-
 def pmats(*mods) -> int:
     return sum(p.numel() for mod in mods for p in mod.parameters() if p.dim() == 2)
 
@@ -181,24 +147,25 @@ def call_work(m, call: str, rows: int) -> dict:
     attn = lambda r, layers, keys: 4 * r * t.num_heads * t.head_dim * keys * layers  # noqa: E731
     if call in ("decode", "verify"):
         body = [*lm.layers, lm.norm]
-        return dict(weight=pbytes(*body, head), kv=kv(t.num_layers, KV),
+        return dict(weight=weight_bytes(*body, head), kv=kv(t.num_layers, KV),
                     flops=2 * rows * (pmats(*body) + pmats(head)) + attn(rows, t.num_layers, KV))
     k = m.setup.k
     if call == "draft_fused_k":  # K steps; the first feeds 2 rows, each step's LM head takes 1 row
         d = m.draft.language_model
         body, n = [*d.layers, d.norm], len(d.layers)
-        return dict(weight=k * pbytes(*body, head), kv=k * kv(n, KV),
+        return dict(weight=k * weight_bytes(*body, head), kv=k * kv(n, KV),
                     flops=2 * (k + 1) * pmats(*body) + 2 * k * pmats(head) + attn(k + 1, n, KV))
     # dflash_draft: context K/V of `rows` new rows (fc, k/v projections), the block through the layers, LM head on K
     d, n = m.draft, len(m.draft.layers)
     ctx_kv = sum(pmats(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in d.layers)
-    return dict(weight=pbytes(d, head), kv=kv(n, KV + rows),
+    return dict(weight=weight_bytes(d, head), kv=kv(n, KV + rows),
                 flops=2 * rows * (pmats(d) + ctx_kv) + 2 * k * pmats(head) + attn(rows, n, KV + rows))
 
 
 def bench_calls(dtype: str, rounds: int) -> dict:
     """The per-call table's measurements, one process per dtype (fp32 also measures the host)."""
-    host = host_limits(rounds) if dtype == "fp32" else None
+    host = roofline_probe(methods=("sum", "mv", "row_linear"), matmul_dtypes=("fp32", "bf16"), rounds=rounds) \
+        if dtype == "fp32" else None
     td = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     layers, dflash = load("layers", 4, td), load("dflash", 15, td)
     position = prompt(layers).input_ids.shape[1] + 48
@@ -206,7 +173,7 @@ def bench_calls(dtype: str, rounds: int) -> dict:
     fns["draft_fused_k"] = fns.pop("draft")
     fns["dflash_draft"] = call_fns(dflash, position)["draft"]
     with OtherCpuLoad() as load_:
-        ms = {name: 1e3 * s for name, s in alternate_min(fns, rounds).items()}
+        ms = {name: 1e3 * s for name, s in time_calls(fns, rounds).items()}
     rows = [("decode", 1, "decode", layers)] + [(f"verify {r}", r, "verify", layers) for r in VERIFY_ROWS] + \
         [("draft_fused_k", 4, "draft_fused_k", layers), ("dflash_draft", 16, "dflash_draft", dflash)]
     return dict(dtype=dtype, host=host, position=position, peak_rss_mib=peak_rss_mib(), other_cpu=load_.fraction,
@@ -220,9 +187,7 @@ def plain_greedy(m, p, n: int):
     from nxdi_voxtral.generate import decode
     from nxdi_voxtral.speculative import SpecStats
     first, position, _ = m.prefill(p.input_ids, p.input_features, SpecStats("none", 0))
-    t0 = time.perf_counter()
-    tokens = decode(m.run, first, position, n, m.cfg.text.eos_token_id, m.buckets)
-    return tokens, time.perf_counter() - t0
+    return timed(decode, m.run, first, position, n, m.cfg.text.eos_token_id, m.buckets)
 
 
 def bench_ours(kind: str, k: int | None, n_new: int, runs: int, rounds: int) -> dict:
@@ -236,15 +201,14 @@ def bench_ours(kind: str, k: int | None, n_new: int, runs: int, rounds: int) -> 
         return ids[0].tolist(), t["decode_s"], stats
 
     spec(8), plain_greedy(m, p, 8)  # warm-up
-    best_plain = best_spec = float("inf")
+    outs = {}
     with OtherCpuLoad() as load_:
-        for _ in range(runs):
-            plain_tokens, s = plain_greedy(m, p, n_new)
-            best_plain = min(best_plain, s)
-            tokens, s, stats = spec(n_new)
-            best_spec = min(best_spec, s)
-        costs = {name.split()[0]: 1e3 * s for name, s in alternate_min(call_fns(m, p.input_ids.shape[1] + 48),
-                                                                          rounds).items()}
+        best = time_calls({"plain": lambda: plain_greedy(m, p, n_new), "spec": lambda: spec(n_new)}, runs, warmup=0,
+                          seconds=lambda r: r[1], outputs=outs)
+        costs = {name.split()[0]: 1e3 * s for name, s in time_calls(call_fns(m, p.input_ids.shape[1] + 48),
+                                                                       rounds).items()}
+    (plain_tokens, _), (tokens, _, stats) = outs["plain"][-1], outs["spec"][-1]
+    best_plain, best_spec = best["plain"], best["spec"]
     n = len(tokens)
     return dict(kind=kind, k=m.setup.k, tau=stats.tau if kind != "plain" else 1.0, tokens_list=tokens,
                 plain_tokens=plain_tokens, verify_calls=stats.verify_calls,
@@ -268,20 +232,17 @@ def bench_hf(n_new: int, runs: int, k: int = 4) -> dict:
     def gen(n, assistant=False):
         kw = dict(assistant_model=draft) if assistant else {}
         with torch.no_grad():
-            t0 = time.perf_counter()
-            out = target.generate(input_ids=p.input_ids, input_features=p.input_features, max_new_tokens=n,
-                                  do_sample=False, **kw)
-        return out[0, p.input_ids.shape[1]:].tolist(), time.perf_counter() - t0
+            out, s = timed(target.generate, input_ids=p.input_ids, input_features=p.input_features, max_new_tokens=n,
+                           do_sample=False, **kw)
+        return out[0, p.input_ids.shape[1]:].tolist(), s
 
     fns = {"ours": lambda: plain_greedy(ours, p, n_new), "one": lambda: gen(1), "greedy": lambda: gen(n_new),
            "assisted": lambda: gen(n_new, True)}
     gen(4, True), plain_greedy(ours, p, 4)  # warm-up
-    best, out = dict.fromkeys(fns, float("inf")), {}
+    outs = {}
     with OtherCpuLoad() as load_:
-        for _ in range(runs):
-            for name, f in fns.items():
-                out[name], s = f()
-                best[name] = min(best[name], s)
+        best = time_calls(fns, runs, warmup=0, seconds=lambda r: r[1], outputs=outs)
+    out = {name: o[-1][0] for name, o in outs.items()}
     n = len(out["greedy"])
     per_tok = lambda name: 1e3 * (best[name] - best["one"]) / (n - 1)  # noqa: E731
     return dict(ours_ms_per_token=1e3 * best["ours"] / (len(out["ours"]) - 1), greedy_ms_per_token=per_tok("greedy"),
@@ -291,17 +252,9 @@ def bench_hf(n_new: int, runs: int, k: int = 4) -> dict:
 
 # ---------------------------------------------------------------- tables
 
-def yes_no(ok: bool) -> str:
-    return "yes" if ok else "no"
-
-
-def pct(fraction) -> str:
-    return "n/a" if fraction is None else f"{100 * fraction:.0f}%"
-
-
 def calls_table(res: dict, host: dict) -> str:
-    bw, peak = host["bandwidth_gbps"] * 1e9, host["peak_gflops"][res["dtype"]] * 1e9
-    roofs = [1e3 * max((c["weight"] + c["kv"]) / bw, c["flops"] / peak) for c in res["calls"]]
+    bw, peak = host["bandwidth_gbps"], host["peak_gflops"][res["dtype"]]
+    roofs = [roofline_ms(c["weight"] + c["kv"], bw, c["flops"], peak) for c in res["calls"]]
     rows = []
     for c, roof in zip(res["calls"], roofs):
         target = {"verify": 1.3 if c["rows"] <= 8 else 1.6, "dflash_draft": 0.6}.get(c["call"].split()[0])

@@ -44,23 +44,25 @@ INDUCTOR_OPTIONS = {"cpp.dynamic_threads": True}
 # Not with tp > 1: torch 2.13's C++ wrapper cannot call the functional collectives ("arg type Any is not yet
 # supported by custom_op_wrapper"), so those ranks keep inductor's Python wrapper.
 CPP_WRAPPER = {"cpp_wrapper": True}
-# TorchNeuron reads these once, at its first compile in the process (set before any device work)
-NEURON_CACHE_ENV = ("TORCH_NEURONX_NEFF_CACHE_DIR", "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", "TORCH_NEURONX_HLO_CACHE_DIR")
+MEGACACHE = "rank{rank}.megacache"  # torchneuron: torch.compiler.save_cache_artifacts() of rank r (NEFFs included)
 
 
 @dataclass(frozen=True)
 class Target:
-    backend: str        # torch.compile backend
-    device: str         # where weights, caches and graph inputs live
-    process_group: str  # torch.distributed backend for tp > 1
+    backend: str            # torch.compile backend
+    device: str             # where weights, caches and graph inputs live
+    process_group: str      # torch.distributed backend for tp > 1
+    cpu_ops: bool = True    # graphs use the row-invariant CPU ops (cpu_kernels); False: the device branch
+    cache: str = "inductor_dir"  # the artifact's cache: inductor's cache directory, or torch's "megacache" bytes
 
-    @property
-    def cache_env(self) -> tuple[str, ...]:
-        return NEURON_CACHE_ENV if self.backend == "neuron" else INDUCTOR_CACHE_ENV
+    def options(self, tp: int) -> dict | None:
+        if self.cache != "inductor_dir":
+            return None
+        return {**INDUCTOR_OPTIONS, **(CPP_WRAPPER if tp == 1 else {})}
 
 
 INDUCTOR = Target("inductor", "cpu", "gloo")
-TORCHNEURON = Target("neuron", "neuron", "neuron")
+NEURON_DEVICE = "neuron"  # the device TorchNeuron registers (torch's PrivateUse1)
 
 
 @functools.cache
@@ -73,7 +75,26 @@ def torchneuron_available() -> bool:
         import torch_neuronx  # noqa: F401  (registers the device and the "neuron" process group)
     except ImportError:  # also PyPI's placeholder package
         return False
-    return torch._C._get_privateuse1_backend_name() == "neuron"
+    return torch._C._get_privateuse1_backend_name() == NEURON_DEVICE
+
+
+def torchneuron_target() -> Target:
+    """torch.compile(backend="neuron"): on a TorchNeuron host the `neuron` device and process group; where only the
+    backend is importable (../shared/torchneuron-rehearsal: the real backend source on CPU tensors, up to the
+    compiler boundary) CPU tensors and gloo. The graphs take the device branch either way."""
+    if torchneuron_available():
+        return Target("neuron", NEURON_DEVICE, "neuron", cpu_ops=False, cache="megacache")
+    return Target("neuron", "cpu", "gloo", cpu_ops=False, cache="megacache")
+
+
+def neuron_backend_registered() -> bool:
+    """The torch.compile backend name "neuron" resolves (torch-neuronx's entry point, or the rehearsal kit's)."""
+    try:
+        from torch._dynamo.backends.registry import lookup_backend
+        lookup_backend("neuron")
+        return True
+    except Exception:  # noqa: BLE001  (InvalidBackend, or the backend's own import failing)
+        return False
 
 
 def rank_device(target: Target, rank: int) -> torch.device:
@@ -102,12 +123,12 @@ class CompiledGraph:
 
 
 @contextmanager
-def compile_cache(directory: Path, target: Target):
+def compile_cache(directory: Path):
     """Point torch's on-disk compile caches at `directory` for the block (then restore the environment)."""
     from torch._inductor.utils import clear_caches
     directory.mkdir(parents=True, exist_ok=True)
-    old = {name: os.environ.get(name) for name in target.cache_env}
-    os.environ.update({name: str(directory) for name in target.cache_env})
+    old = {name: os.environ.get(name) for name in INDUCTOR_CACHE_ENV}
+    os.environ.update({name: str(directory) for name in INDUCTOR_CACHE_ENV})
     clear_caches()  # inductor's in-memory code caches would otherwise answer from the previous directory
     try:
         yield
@@ -132,53 +153,96 @@ def compile_counts() -> dict[str, int]:
 
 def compile_engine(engine, target: Target, cache_dir: str | None = None, building: bool = False) -> list[dict]:
     """Replace every graph of `engine` (one rank) by its compiled form and compile it now, with example inputs,
-    so no request pays for it. Returns one record per graph: seconds and the compile_counts() it moved.
-    cache_dir: the artifact's compile-cache root (rank subdirectory `rank{r}`); None: torch's defaults.
-    building: write the cache into cache_dir; otherwise compile from a private copy of it, so a deployed release
-    stays byte-identical to its manifest (and may be read-only) even when a cache miss recompiles."""
+    so no request pays for it. Returns one record per graph: seconds, the compile_counts() it moved and (neuron)
+    the NEFF cache keys it compiled to.
+    cache_dir: the artifact's compile-cache root (inductor: subdirectory `rank{r}`; megacache: file MEGACACHE);
+    None: torch's defaults. building: write the cache into cache_dir; otherwise compile from it without writing
+    into it (inductor: from a private copy), so a deployed release stays byte-identical to its manifest."""
+    from . import cpu_kernels
     rank = engine.rank
     device = rank_device(target, rank)
-    options = None
-    if target.backend == "inductor":
-        options = {**INDUCTOR_OPTIONS, **(CPP_WRAPPER if engine.model.comm.size == 1 else {})}
+    if not target.cpu_ops:
+        cpu_kernels.CPU_OPS = False  # before any trace: the graphs take the device branch in this process
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if building:
         # dynamo's in-process cache would answer for graphs another model of the same shapes compiled earlier in
         # this process, and nothing would reach the artifact's cache
         torch._dynamo.reset()
+        forget_neff_keys()  # the release holds this build's NEFFs, and each graph's keys are the ones it adds
     if device.type != "cpu":
         for m in (engine.model, engine.draft):
             if m is not None:
                 m.to(device)  # caches are buffers: they move with the weights and stay there
-    work = None
-    if cache_dir is None:
-        cache = None
-    elif building:
+    work, cache = None, None
+    if cache_dir is not None and target.cache == "inductor_dir":
         cache = Path(cache_dir) / f"rank{rank}"
-    else:
-        work = Path(tempfile.mkdtemp(prefix="nxdi_voxtral_compile_cache_"))
-        cache = work / "cache"
-        shutil.copytree(Path(cache_dir) / f"rank{rank}", cache)
+        if not building:
+            work = Path(tempfile.mkdtemp(prefix="nxdi_voxtral_compile_cache_"))
+            cache = work / "cache"
+            shutil.copytree(Path(cache_dir) / f"rank{rank}", cache)
+    megacache = Path(cache_dir) / MEGACACHE.format(rank=rank) if cache_dir and target.cache == "megacache" else None
+    if megacache is not None and not building and megacache.stat().st_size:
+        torch.compiler.load_cache_artifacts(megacache.read_bytes())  # NEFFs into the runtime's persistent cache
     records = []
     try:
-        with compile_cache(cache, target) if cache is not None else nullcontext():
+        with compile_cache(cache) if cache is not None else nullcontext():
             for spec in graph_plan(engine.setup):
                 key = (spec.tag, spec.bucket)
                 if not isinstance(engine.graphs[key], CompiledGraph):
-                    engine.graphs[key] = CompiledGraph(engine.graphs[key], target, device, options)
-                before = compile_counts()
+                    engine.graphs[key] = CompiledGraph(engine.graphs[key], target, device,
+                                                       target.options(engine.model.comm.size))
+                if target.cache == "megacache":
+                    name_neuron_graph(f"{spec.tag}[{spec.bucket}]")
+                    if not building:  # keys an earlier load tracked would hide this graph's (loads save nothing)
+                        forget_neff_keys()
+                before, neffs = compile_counts(), neff_keys()
                 t0 = time.perf_counter()
                 engine.run(spec.tag, spec.bucket, *example_inputs(spec, engine.setup))  # under inference_mode
                 after = compile_counts()
                 records.append(dict(tag=spec.tag, bucket=spec.bucket, seconds=time.perf_counter() - t0,
                                     **{k: after[k] - before[k] for k in after}))
+                if neffs is not None:
+                    records[-1]["neff_keys"] = sorted(neff_keys() - neffs)
                 if rank == 0 and building:
                     print(f"  {spec.tag:<24} {spec.bucket:>6}  {records[-1]['seconds']:6.2f} s", flush=True)
     finally:
         if work is not None:  # compiled code is loaded: the copy is no longer read
             shutil.rmtree(work, ignore_errors=True)
+    if megacache is not None and building:
+        saved = torch.compiler.save_cache_artifacts()  # (bytes, info), or None when nothing was recorded
+        megacache.parent.mkdir(parents=True, exist_ok=True)
+        megacache.write_bytes(saved[0] if saved else b"")
     engine.clear_caches()  # the example inputs wrote into the KV caches
     return records
+
+
+def name_neuron_graph(name: str) -> None:
+    """TorchNeuron names the graphs it compiles next (in its logs, artifacts and metrics) after this."""
+    try:
+        from torch_neuronx.neuron_dynamo_backend import set_model_name
+    except ImportError:
+        return
+    set_model_name(name)
+
+
+def forget_neff_keys() -> None:
+    try:
+        from torch_neuronx.neuron_dynamo_backend.cache_artifact import ArtifactType
+        from torch_neuronx.neuron_dynamo_backend.compile import clear_compiled_cache_keys
+    except ImportError:
+        return
+    clear_compiled_cache_keys(ArtifactType.NEURON_NEFF)
+
+
+def neff_keys() -> set[str] | None:
+    """The NEFF cache keys TorchNeuron compiled in this process so far (its MegaCache bookkeeping), or None where
+    the backend is not importable. save_cache_artifacts() clears them."""
+    try:
+        from torch_neuronx.neuron_dynamo_backend.cache_artifact import ArtifactType
+        from torch_neuronx.neuron_dynamo_backend.compile import get_compiled_cache_keys
+    except ImportError:
+        return None
+    return set(get_compiled_cache_keys(ArtifactType.NEURON_NEFF))
 
 
 def summary(records: list[dict]) -> dict:

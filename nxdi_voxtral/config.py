@@ -7,6 +7,9 @@ from pathlib import Path
 
 from .errors import CheckpointError
 
+SAMPLE_RATE = 16000         # the audio tower's input rate
+N_FFT, HOP = 400, 160       # its log-mel frames: 25 ms windows every 10 ms (100 frames per second)
+
 
 @dataclass(frozen=True)
 class AudioEncoderConfig:

@@ -28,6 +28,15 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 ROW_INVARIANT_ROWS = 16  # a verify pass has K+1 <= 16 rows; more rows (prefill) take torch's fastest kernel
+# False in a process that compiles the graphs for a Neuron device (the torchneuron backend, compiled.Target): the
+# graphs then take the device branch (F.linear / SDPA, which the backend lowers) on every tensor, also on the CPU
+# tensors of the rehearsal kit, where these opaque ops have no lowering
+CPU_OPS = True
+
+
+def use_cpu_ops(t: torch.Tensor, rows: int) -> bool:
+    """Whether a pass of `rows` rows over tensor t runs on these row-invariant ops (else torch's own)."""
+    return CPU_OPS and rows <= ROW_INVARIANT_ROWS and t.device.type == "cpu"
 
 MAX_HEAD_DIM = 256  # as in the C source
 SOURCE = Path(__file__).parent / "csrc" / "decode_kernels.c"

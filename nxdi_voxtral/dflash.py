@@ -132,8 +132,9 @@ class DFlashDraft(nn.Module):
         cos, sin = self.rope(positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(ctx, cos, sin)
-            self.k_cache[i].index_copy_(2, positions.long(), k.to(self.k_cache.dtype))
-            self.v_cache[i].index_copy_(2, positions.long(), v.to(self.v_cache.dtype))
+            # select, not [i]: the in-place write must stay a view of the buffer for TorchNeuron (model.py)
+            self.k_cache.select(0, i).index_copy_(2, positions.long(), k.to(self.k_cache.dtype))
+            self.v_cache.select(0, i).index_copy_(2, positions.long(), v.to(self.v_cache.dtype))
 
     def propose_hidden(self, block: torch.Tensor, positions: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
         """block [1, B, H] embedded at positions [B]; ctx_mask [1, S] marks valid context slots -> norm(x) [1, B, H]."""

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import VoxtralConfig
+from .config import HOP, SAMPLE_RATE, VoxtralConfig
 from .errors import AudioTooLongError, ConfigError
 from .model import VoxtralModel, causal_visible, cached_visible
 from .kernels import ops
-from .processing import HOP, SAMPLE_RATE
 
 I32 = torch.int32
 

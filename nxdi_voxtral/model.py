@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import AudioEncoderConfig, TextConfig, VoxtralConfig
-from .cpu_kernels import ROW_INVARIANT_ROWS, decode_attention
+from .cpu_kernels import decode_attention, use_cpu_ops
 from .kernels import ops
 from .tp import SINGLE, Comm, Layout, layout, vocab_greedy
 
@@ -29,7 +29,7 @@ class EncoderAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # scale q before the product, as Whisper does: it changes rounding, and we compare against it
-        q = (self.q_proj(x) * self.head_dim ** -0.5).view(b, t, self.heads, -1).transpose(1, 2)
+        q = (self.q_proj(x) * f32(self.head_dim ** -0.5, x)).view(b, t, self.heads, -1).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.heads, -1).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.heads, -1).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, scale=1.0)
@@ -92,15 +92,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + f32(self.eps, x))
         return self.weight * x32.to(x.dtype)
+
+
+def f32(value: float, like: torch.Tensor) -> torch.Tensor:
+    """value as a float32 0-d tensor, for fp32 math. Not a Python float: TorchNeuron's torch-mlir import makes a
+    Python float an f64 constant that its dtype pass leaves inconsistent (the rehearsal kit's finding 4)."""
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
 
 
 def rope_at(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, head_dim] (float32) at integer positions [T], computed inside the graph: a table held as a
     buffer would be neither a checkpoint weight nor written state, and NxD initialises such tensors to zeros."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
-                                / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / f32(head_dim,
+                                                                                                         positions)
+    inv_freq = torch.reciprocal(f32(theta, positions) ** exponents)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -117,7 +124,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
     """q [1, Hq, T, D]; k, v [1, Hkv, S, D]; visible [T, S] bool -> [1, T, Hq*D]. GQA without repeating k/v.
     Row-invariant on CPU up to ROW_INVARIANT_ROWS queries (as tp.linear), see cpu_kernels.decode_attention."""
     _, hq, t, d = q.shape
-    if t > ROW_INVARIANT_ROWS or q.device.type != "cpu":
+    if not use_cpu_ops(q, t):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=hq != k.shape[1])
         return out.transpose(1, 2).reshape(1, t, hq * d)
     return decode_attention(q, k, v, visible).reshape(1, t, hq * d)
@@ -205,7 +212,9 @@ class LanguageModel(nn.Module):
         cos, sin = rope_at(pos, self.cfg.head_dim, self.cfg.rope_theta)
         captured = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, pos, self.k_cache[i], self.v_cache[i], key_len, visible)
+            # select, not [i]: TorchNeuron's aliasing analysis follows select as a view of the cache buffer (an
+            # integer index it does not), so the cache write becomes an in-place must_alias pair, not a copy-back
+            x = layer(x, cos, sin, pos, self.k_cache.select(0, i), self.v_cache.select(0, i), key_len, visible)
             if i in capture_layers:
                 captured.append(x)
         return self.norm(x), captured

@@ -24,6 +24,7 @@ from .errors import ArtifactError
 from .tp import Comm
 
 LNC = 2
+SUPPORTED = "Neuron SDK <= 2.33 (Trn1, Inf2, Trn2 pinned to 2.33); from SDK 2.34 on Trn2/Trn3 use --backend torchneuron"
 PREFILL_TAGS = ("audio_encoder", "context_encoding", "draft_context_encoding", "dflash_context")
 # NxDI's flags for Llama-class models on trn2: -O1 for prefill-like graphs, -O2 for decode-like ones
 COMPILER_ARGS = "--auto-cast=none --model-type=transformer --lnc={lnc} {opt}"
@@ -38,7 +39,6 @@ def require_nxd():
     try:
         from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
     except ImportError as e:
-        from .backends.nxd import SUPPORTED
         raise ArtifactError("backend nxd needs torch-neuronx 2.9, neuronx-cc and neuronx-distributed from AWS's "
                             f"Neuron repository; not importable here ({e}). {SUPPORTED}; on CPU use --backend "
                             "export") from None

@@ -18,10 +18,9 @@ import numpy as np
 import soundfile as sf
 import torch
 
+from .config import HOP, N_FFT, SAMPLE_RATE  # noqa: F401  (importable from here too)
 from .errors import AudioError, AudioTooLongError, CheckpointError, ConfigError
 
-SAMPLE_RATE = 16000
-N_FFT, HOP = 400, 160
 CHUNK_SECONDS = 30.0  # mistral-common pads audio to multiples of 30 s: one audio chunk
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tarfile
 import tempfile
@@ -48,11 +49,17 @@ def pack(art_dir: Path, out_tar: Path) -> Path:
 
 
 def unpack(tar_path: Path, dest: Path) -> None:
-    slow = float(os.environ.get("NXDI_VOXTRAL_DEPLOY_SLOW", "0"))  # test hook: widen the window for a crash test
+    # TEST HOOKS, unset outside tests: NXDI_VOXTRAL_DEPLOY_SLOW=S sleeps S s after each member (two deploys overlap:
+    # tests/test_hardening_deploy.py); NXDI_VOXTRAL_DEPLOY_CRASH_AFTER=N SIGKILLs this process once N members are
+    # written (a deploy that dies mid-copy at a known point: tests/test_artifacts.py)
+    slow = float(os.environ.get("NXDI_VOXTRAL_DEPLOY_SLOW", "0"))
+    crash_after = int(os.environ.get("NXDI_VOXTRAL_DEPLOY_CRASH_AFTER", "0"))
     try:
         with tarfile.open(tar_path) as tar:
-            for member in tar:
+            for n, member in enumerate(tar, 1):
                 tar.extract(member, dest, filter="data")
+                if n == crash_after:
+                    os.kill(os.getpid(), signal.SIGKILL)  # delivered before kill returns
                 time.sleep(slow)
     except (tarfile.TarError, EOFError, OSError) as e:
         raise ArtifactError(f"{tar_path}: cannot unpack ({e})") from None

@@ -21,7 +21,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import ROW_INVARIANT_ROWS, row_linear
+from .cpu_kernels import row_linear, use_cpu_ops
 from .errors import ConfigError
 
 
@@ -179,7 +179,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bits a 1-row decode step gets for the same input, or a near-tie argmax flips between plain greedy and
     speculation (in bf16 within ~20 tokens). See cpu_kernels. Many rows, and other devices: F.linear."""
     rows = x.numel() // x.shape[-1]
-    if rows > ROW_INVARIANT_ROWS or x.device.type != "cpu":
+    if not use_cpu_ops(x, rows):
         return F.linear(x, weight, bias)
     y = row_linear(x.reshape(rows, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y

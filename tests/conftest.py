@@ -23,6 +23,10 @@ try:
     import torch_xla  # noqa: F401
 except ImportError:
     collect_ignore.append("rehearsal")
+# tests/rehearsal_torchneuron run only in ../shared/torchneuron-rehearsal's venv (the real TorchNeuron backend source
+# on torch 2.13 + torch-mlir; `.ci/run` runs them there)
+if importlib.util.find_spec("torchneuron_rehearsal") is None:
+    collect_ignore.append("rehearsal_torchneuron")
 # tests/neuron are hardware tests for a trn2 host with the Neuron SDK (README, "verified where")
 if importlib.util.find_spec("torch_neuronx") is None:
     collect_ignore.append("neuron")

@@ -1,6 +1,11 @@
 """The server as a fleet runs it: `python -m nxdi_voxtral serve --artifacts .../current` in a subprocess on a
 loopback port, driven by real HTTP clients (the openai package, httpx). Every transcript is compared with the
-Python API's on the same weights; hot swap goes through `artifacts deploy`; the tests end with SIGTERM."""
+Python API's on the same weights; hot swap goes through `artifacts deploy`; the tests end with SIGTERM.
+
+No timer races: a test that acts on a request while it runs (a client that leaves, SIGTERM) holds it at a chosen
+token through the server's test hook (nxdi_voxtral.serve.host.HoldForTests, NXDI_VOXTRAL_TEST_HOLD); admission
+(queue full / queue timeout) needs the device held for as long as the test says: that test runs the same app (Host,
+admission, middleware, uvicorn) in this process, where the model's generate can wait on an Event."""
 import json
 import os
 import shutil
@@ -20,11 +25,12 @@ from nxdi_voxtral import Buckets, NxDVoxtralSpecDec
 from nxdi_voxtral.manifest import file_entries, weight_files, write_manifest
 from nxdi_voxtral.synthetic import demo_dirs, write_random_checkpoint
 
-from serve_helpers import Server, noise, sse_events, wav_bytes
+from serve_helpers import Server, free_port, noise, sse_events, wav_bytes
 
 B = Buckets(audio_chunks=(1,), kv_lengths=(512, 1024))
 QUICK = 16    # tokens for most requests
-LONG = 400    # the server's cap: a request that is still generating when the test acts on it
+LONG = 400    # the server's cap
+HOLD_AT = 2   # the token at which a held request stops until the test releases it (or its client leaves)
 CLIP = wav_bytes(noise(2.0, seed=3))
 
 
@@ -64,15 +70,42 @@ def refs(fleet):
     return out
 
 
+class Hold:
+    """The test's side of the server's HoldForTests hook (files in one directory): `arm()` makes the next request
+    that starts stop after HOLD_AT accepted tokens, `wait_held()` returns once it has, `release()` lets it go on."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def arm(self, at: int = HOLD_AT) -> None:
+        for name in ("held", "release"):
+            (self.root / name).unlink(missing_ok=True)
+        (self.root / "armed.tmp").write_text(str(at))
+        (self.root / "armed.tmp").rename(self.root / "armed")  # whole or absent, whenever the server looks
+
+    def wait_held(self, server, timeout: float = 120) -> None:
+        deadline = time.time() + timeout  # a bound on failure only: a request that is never held fails the test
+        while not (self.root / "held").exists():
+            assert time.time() < deadline and server.proc.poll() is None, server.log()[-3000:]
+            time.sleep(0.01)
+        assert not (self.root / "armed").exists()
+
+    def release(self) -> None:
+        (self.root / "release").touch()
+
+
 @pytest.fixture(scope="module")
 def server(fleet, tmp_path_factory):
-    s = Server(["--artifacts", str(fleet["dest"] / "current"), "--queue-depth", "2", "--queue-timeout", "0.3",
+    hold_dir = tmp_path_factory.mktemp("hold")
+    s = Server(["--artifacts", str(fleet["dest"] / "current"), "--queue-depth", "2", "--queue-timeout", "30",
                 "--max-upload-mb", "0.25", "--max-new-tokens", str(LONG), "--watch", "0", "--grace", "60"],
-               tmp_path_factory.mktemp("log") / "server.log")
+               tmp_path_factory.mktemp("log") / "server.log", env={"NXDI_VOXTRAL_TEST_HOLD": str(hold_dir)})
+    s.hold = Hold(hold_dir)
     try:
         s.wait_ready()
         yield s
     finally:
+        s.hold.release()  # a test that failed while a request was held must not keep the device past the grace
         s.stop()
 
 
@@ -155,12 +188,23 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, ref
     assert server.transcribe(CLIP, max_completion_tokens=QUICK).json()["text"] == refs["v1"]
 
 
-def raw_post(server, body: bytes, headers: dict, send_bytes: int, read=True) -> bytes:
-    """Send only the first `send_bytes` of `body` on a raw socket (a truncated upload)."""
+def multipart(**fields) -> tuple[bytes, dict]:
+    """A transcription request's multipart body (CLIP as the file) and its headers, for a raw socket."""
+    req = httpx.Request("POST", "http://x", files={"file": ("a.wav", CLIP, "audio/wav")},
+                        data={k: str(v) for k, v in fields.items()})
+    body = req.read()
+    return body, {"content-type": req.headers["content-type"], "content-length": str(len(body))}
+
+
+def raw_post(server, body: bytes, headers: dict, send_bytes: int, read=True, before_close=None) -> bytes:
+    """Send only the first `send_bytes` of `body` on a raw socket (a truncated upload). read=False: close the
+    connection without reading the reply, after calling `before_close()` if given (a client that leaves)."""
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
         s.sendall(f"POST /v1/audio/transcriptions HTTP/1.1\r\nhost: x\r\n{head}\r\n".encode() + body[:send_bytes])
         if not read:
+            if before_close:
+                before_close()
             return b""
         s.shutdown(socket.SHUT_WR)
         reply = b""
@@ -170,9 +214,7 @@ def raw_post(server, body: bytes, headers: dict, send_bytes: int, read=True) -> 
 
 
 def test_truncated_uploads(server, refs):
-    req = httpx.Request("POST", "http://x", files={"file": ("a.wav", CLIP, "audio/wav")}, data={"model": "m"})
-    body = req.read()
-    headers = {"content-type": req.headers["content-type"], "content-length": str(len(body))}
+    body, headers = multipart(model="m")
     # the multipart body ends before its closing boundary, Content-Length consistent with what was sent
     cut = len(body) - 30
     reply = raw_post(server, body[:cut], {**headers, "content-length": str(cut)}, cut)
@@ -185,46 +227,121 @@ def test_truncated_uploads(server, refs):
     assert server.metric("voxtral_queue_depth") == 0 and server.metric("voxtral_running") == 0
 
 
-def test_admission_queue_full_and_wait_timeout_get_503_with_retry_after(server):
-    """One request runs, `--queue-depth 2` wait at most `--queue-timeout 0.3` s, the rest are refused at once."""
-    results = []
+class InProcessServer:
+    """What `python -m nxdi_voxtral serve --artifacts DIR` runs (Host, create_app, the upload / metrics middleware,
+    uvicorn), on a thread of this process, so that a test can reach into it. Same client helpers as Server."""
+    transcribe, metrics, metric, health = Server.transcribe, Server.metrics, Server.metric, Server.health
 
-    def client():
-        with httpx.Client(base_url=server.url, timeout=120) as c:
-            results.append(server.transcribe(CLIP, client=c))  # LONG tokens: much longer than 0.3 s
-    threads = [threading.Thread(target=client) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    codes = sorted((r.status_code, error_of(r)["code"] if r.status_code != 200 else "") for r in results)
-    assert codes.count((200, "")) >= 1 and all(c in {(200, ""), (503, "queue_full"), (503, "queue_timeout")}
-                                                for c in codes), codes
-    assert (503, "queue_full") in codes and (503, "queue_timeout") in codes, codes
-    assert all(int(r.headers["retry-after"]) >= 1 for r in results if r.status_code == 503)
-    assert server.metric("voxtral_queue_depth") == 0
-    assert server.metric("voxtral_rejected_total", reason="queue_full") >= 1
+    def __init__(self, artifacts: Path, queue_depth: int, queue_timeout_s: float, max_new_tokens: int):
+        import uvicorn
+        from nxdi_voxtral.serve.app import RequestMetrics, UploadGuard, create_app
+        from nxdi_voxtral.serve.host import Host, Source
+        from nxdi_voxtral.serve.metrics import Metrics
+        metrics = Metrics()
+        self.host = Host(Source("artifacts", str(artifacts)), metrics, max_new_tokens)
+        self.host.loader.submit(self.host.start).result()  # on the loader thread, as serve does
+        self.app = create_app(self.host, metrics, "voxtral-mini-3b", 2**20, queue_depth, queue_timeout_s,
+                              on_shutdown=self.host.close)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(RequestMetrics(UploadGuard(self.app, 2**20), metrics),
+                                                    host="127.0.0.1", port=self.port, lifespan="on",
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.time() + 120
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "in-process server did not start"
+            time.sleep(0.05)
+        self.client = httpx.Client(base_url=self.url, timeout=120)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(120)
+        self.client.close()
+
+
+def test_admission_queue_full_and_wait_timeout_get_503_with_retry_after(fleet, refs, monkeypatch):
+    """One request runs, `queue_depth` 2 wait at most `queue_timeout_s`, the rest are refused at once. The running
+    request holds the device until the test releases it, so which request gets what is fixed, not a race: B waits
+    out the timeout; with the timeout then raised, C and D wait, E and F find the queue full."""
+    on_device, release = threading.Event(), threading.Event()
+    srv = InProcessServer(fleet["v1"], queue_depth=2, queue_timeout_s=0.3, max_new_tokens=LONG)
+    try:
+        model = srv.host.live.model
+        real_generate = model.generate
+
+        def held_generate(*args, **kwargs):
+            on_device.set()
+            assert release.wait(300), "the test never released the device"
+            return real_generate(*args, **kwargs)
+        monkeypatch.setattr(model, "generate", held_generate)
+        results = {}
+
+        def client(name):
+            with httpx.Client(base_url=srv.url, timeout=300) as c:
+                results[name] = srv.transcribe(CLIP, client=c, max_completion_tokens=QUICK)
+        running = threading.Thread(target=client, args=("A",))
+        running.start()
+        assert on_device.wait(120), "request A never reached the device"
+        client("B")  # waits 0.3 s for a device that stays busy
+        srv.app.state.admission.timeout_s = 600  # from now on waiters stay until the device frees up
+        waiting = [threading.Thread(target=client, args=(n,)) for n in ("C", "D")]
+        for t in waiting:
+            t.start()
+        deadline = time.time() + 120
+        while srv.metric("voxtral_queue_depth") < 2:
+            assert time.time() < deadline and all(t.is_alive() for t in waiting), results
+            time.sleep(0.02)
+        client("E")
+        client("F")
+        release.set()
+        for t in [running, *waiting]:
+            t.join(300)
+        codes = {n: (r.status_code, error_of(r)["code"] if r.status_code != 200 else "") for n, r in results.items()}
+        assert codes == {"A": (200, ""), "B": (503, "queue_timeout"), "C": (200, ""), "D": (200, ""),
+                         "E": (503, "queue_full"), "F": (503, "queue_full")}, codes
+        assert all(results[n].json()["text"] == refs["v1"] for n in "ACD")
+        assert all(int(results[n].headers["retry-after"]) >= 1 for n in "BEF")
+        assert srv.metric("voxtral_queue_depth") == 0
+        assert srv.metric("voxtral_rejected_total", reason="queue_full") == 2
+        assert srv.metric("voxtral_rejected_total", reason="queue_timeout") == 1
+    finally:
+        release.set()
+        srv.stop()
+
+
+def wait_metric(server, name: str, value: float, timeout: float = 120) -> None:
+    deadline = time.time() + timeout  # a bound on failure only
+    while server.metric(name) != value:
+        assert time.time() < deadline, f"{name} = {server.metric(name)}, expected {value}"
+        time.sleep(0.02)
 
 
 def test_a_client_that_disconnects_frees_its_slot(server, refs):
-    before = server.metric("voxtral_cancelled_total")
-    with server.client.stream("POST", "/v1/audio/transcriptions", files={"file": ("c.wav", CLIP, "audio/wav")},
-                              data={"stream": "true"}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                break  # the first delta: LONG - 1 tokens are still to come; leave now
-    deadline = time.time() + 60
-    while server.metric("voxtral_cancelled_total") == before and time.time() < deadline:
-        time.sleep(0.1)
-    assert server.metric("voxtral_cancelled_total") == before + 1  # generation stopped mid-request
-    # and one that leaves a non-streaming request while it runs
-    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(120, read=0.5)) as impatient:
-        with pytest.raises(httpx.ReadTimeout):
-            server.transcribe(CLIP, client=impatient)
-    while server.metric("voxtral_cancelled_total") == before + 1 and time.time() < deadline:
-        time.sleep(0.1)
-    assert server.metric("voxtral_cancelled_total") == before + 2
+    """Each request is held at token HOLD_AT (of QUICK) until its client has gone, so the client always leaves
+    mid-generation: the generation stops (voxtral_cancelled_total; no tokens counted as generated), the device slot
+    is freed (the next request is served at once: were the slot kept, it would wait out the 30 s queue timeout and
+    get a 503)."""
+    before, tokens = server.metric("voxtral_cancelled_total"), server.metric("voxtral_tokens_generated_total")
+    # a streaming client that leaves after the first delta
+    server.hold.arm()
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        with c.stream("POST", "/v1/audio/transcriptions", files={"file": ("c.wav", CLIP, "audio/wav")},
+                      data={"stream": "true", "max_completion_tokens": str(QUICK)}) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+            assert json.loads(first[len("data: "):])["choices"][0]["delta"]["content"]
+    # closed: the server notices while the request is held (or before it gets there; the test never releases it)
+    wait_metric(server, "voxtral_cancelled_total", before + 1)
+    # a non-streaming client that leaves while its request is on the device
+    server.hold.arm()
+    body, headers = multipart(max_completion_tokens=QUICK)
+    # sent whole; the connection is closed once the request is held on the device (and it is never released)
+    raw_post(server, body, headers, len(body), read=False, before_close=lambda: server.hold.wait_held(server))
+    wait_metric(server, "voxtral_cancelled_total", before + 2)
     assert server.transcribe(CLIP, max_completion_tokens=QUICK).json()["text"] == refs["v1"]
+    assert server.metric("voxtral_tokens_generated_total") == tokens + QUICK  # the last request's only
+    assert server.metric("voxtral_queue_depth") == 0 and server.metric("voxtral_running") == 0
 
 
 def wait_swap(server, previous: dict, timeout=180) -> dict:
@@ -246,13 +363,20 @@ def test_hot_swap_under_traffic_rollback_and_refused_versions(server, fleet, ref
             while not stop.is_set() and len(seen) < 200:
                 r = server.transcribe(CLIP, client=c, max_completion_tokens=QUICK)
                 seen.append((r.status_code, r.headers.get("x-voxtral-version"), r.text))
+    def wait_seen(version: str) -> None:
+        deadline = time.time() + 120  # a bound on failure only
+        while not any(v == version for _, v, _ in seen):
+            assert time.time() < deadline and t.is_alive(), seen[-3:]
+            time.sleep(0.02)
     t = threading.Thread(target=traffic)
     t.start()
     try:
+        wait_seen(v1_id)  # traffic before the swap...
         assert artifacts_main(["deploy", str(fleet["v2_tar"]), "--to", str(dest)]) == 0
         server.proc.send_signal(signal.SIGHUP)
         swap = wait_swap(server, {})
-        time.sleep(0.5)
+        if swap["result"] == "ok":
+            wait_seen(swap["version"])  # ...and after it
     finally:
         stop.set()
         t.join()
@@ -297,21 +421,28 @@ def test_hot_swap_under_traffic_rollback_and_refused_versions(server, fleet, ref
     assert server.transcribe(CLIP, max_completion_tokens=QUICK).json()["text"] == refs["v1"]
 
 
-def test_sigterm_finishes_the_request_in_flight_then_exits(server):
+def test_sigterm_finishes_the_request_in_flight_then_exits(server, refs):
+    """A streaming request is held on the device (so certainly in flight) when SIGTERM arrives, and released only
+    once uvicorn says it waits for the open connections: it then completes whole, and the process exits 0."""
     done = {}
 
-    def long_request():
-        done["r"], done["events"] = stream(server)  # LONG tokens
-    t = threading.Thread(target=long_request)
+    def request():
+        done["r"], done["events"] = stream(server, max_completion_tokens=QUICK)
+    server.hold.arm()
+    t = threading.Thread(target=request)
     t.start()
-    deadline = time.time() + 60
-    while server.metric("voxtral_running") == 0 and time.time() < deadline:
-        time.sleep(0.02)
+    server.hold.wait_held(server)
     server.proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + 60  # a bound on failure only
+    while "Waiting for connections to close" not in server.log():
+        assert time.time() < deadline and t.is_alive(), server.log()[-3000:]
+        time.sleep(0.02)
+    with pytest.raises(httpx.ConnectError):  # no longer accepting
+        httpx.get(server.url + "/health/live", timeout=5)
+    server.hold.release()
     t.join(120)
     events = done["events"]
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-2]) == refs["v1"]  # whole, not cut short
     assert server.proc.wait(60) == 0
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(server.url + "/health/live", timeout=5)
     assert "stopped" in server.log()

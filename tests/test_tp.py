@@ -1,6 +1,7 @@
 """Tensor parallelism: tp in {2, 4} gives the same greedy tokens as tp = 1 (and close features), for the target
 alone and for every draft kind, with kv-head replication (tp > n_kv) and a vocabulary that tp does not divide."""
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ from nxdi_voxtral.config import AudioEncoderConfig, TextConfig, VoxtralConfig
 from nxdi_voxtral.tp import Comm, layout, shard_tensor, vocab_greedy
 
 from conftest import SMALL_BUCKETS, noise
+from proc_helpers import kill_started
 
 TP_CFG = VoxtralConfig(
     audio=AudioEncoderConfig(hidden_size=32, intermediate_size=128, num_layers=1, num_heads=4),
@@ -130,11 +132,6 @@ def test_bad_tp_degree_errors(tp_dirs, tmp_path):
         NxDVoxtralSpecDec.from_pretrained(bad, buckets=SMALL_BUCKETS, tp_degree=2)
 
 
-def rank_pids(parent_pid):
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(parent_pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -146,13 +143,18 @@ def alive(pid):
 
 @pytest.mark.parametrize("how", ["close", "ctrl_c", "sigkill"])
 def test_rank_processes_never_outlive_the_runtime(tp_dirs, how, tmp_path):
+    # The child installs Python's default SIGINT handler itself: started from a shell's background job it inherits
+    # SIGINT ignored, and its Ctrl-C would do nothing. It acts only when the test says so (a line on stdin), so the
+    # ranks are checked alive first in every case.
     script = textwrap.dedent(f"""
         import os, signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, {str(tp_dirs["target"].parents[0])!r})
         from nxdi_voxtral import NxDVoxtralSpecDec, Buckets
         m = NxDVoxtralSpecDec.from_pretrained({str(tp_dirs["target"])!r}, tp_degree=2,
                                               buckets=Buckets(audio_chunks=(1,), kv_lengths=(512,)))
         print(" ".join(str(p.pid) for p in m.ranks.procs), flush=True)
+        sys.stdin.readline()
         if {how!r} == "close":
             m.close()
             print("closed", flush=True)
@@ -163,27 +165,40 @@ def test_rank_processes_never_outlive_the_runtime(tp_dirs, how, tmp_path):
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     err = tmp_path / "stderr"  # a file, not a pipe: an orphan rank holding the pipe cannot block the test
-    p = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, stderr=err.open("w"),
-                         text=True, env={**os.environ, "PYTHONPATH": root})
-    line = p.stdout.readline()  # blocks until the runtime is up, however long a busy machine takes
-    pids = [int(x) for x in line.split()]
-    assert len(pids) == 2, err.read_text()
-    assert all(alive(x) for x in pids) or how == "ctrl_c"  # ctrl_c: shutdown may already be under way
-    if how == "sigkill":
-        p.kill()
-    elif how == "close":
-        assert p.stdout.readline().strip() == "closed"
+    with err.open("w") as errf:
+        p = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=errf, text=True, env={**os.environ, "PYTHONPATH": root})
+    pids = []
+    try:
+        line = p.stdout.readline()  # blocks until the runtime is up, however long a busy machine takes
+        pids = [int(x) for x in line.split()]
+        assert len(pids) == 2, err.read_text()
+        assert all(alive(x) for x in pids), "rank processes not running before the test acted"
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        if how == "sigkill":
+            p.kill()
+        elif how == "close":
+            assert p.stdout.readline().strip() == "closed", err.read_text()
+            deadline = time.time() + 60
+            while any(alive(x) for x in pids) and time.time() < deadline:
+                time.sleep(0.2)
+            assert not any(alive(x) for x in pids), "workers still alive after close() while the caller lives on"
+            p.kill()
+        # ctrl_c: the interpreter exits through its finalizers (the workers get 10 s to stop, then SIGKILL); a
+        # bounded wait, so a hang fails instead of stalling the run
+        try:
+            rc = p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the runtime's process did not exit within 120 s after {how}: {err.read_text()[-2000:]}")
+        if how == "ctrl_c":
+            # an uncaught KeyboardInterrupt ends Python by SIGINT, after the traceback and the finalizers
+            assert rc == -signal.SIGINT and "KeyboardInterrupt" in err.read_text(), (rc, err.read_text()[-2000:])
+        else:
+            assert rc == -signal.SIGKILL
         deadline = time.time() + 60
         while any(alive(x) for x in pids) and time.time() < deadline:
             time.sleep(0.2)
-        assert not any(alive(x) for x in pids), "workers still alive after close() while the caller lives on"
-        p.kill()
-    # ctrl_c: the interpreter exits through its finalizers; on a loaded machine that can take a while, so wait
-    # generously (a hang still fails) rather than a fixed short time
-    p.wait(timeout=600)
-    if how == "ctrl_c":
-        assert "KeyboardInterrupt" in err.read_text()
-    deadline = time.time() + 60
-    while any(alive(x) for x in pids) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(x) for x in pids), f"orphan rank processes after {how}"
+        assert not any(alive(x) for x in pids), f"orphan rank processes after {how}"
+    finally:
+        kill_started(p, pids)

@@ -11,10 +11,11 @@ from .eager import EAGER
 from .export import EXPORT
 from .inductor import INDUCTOR
 from .nxd import NXD
+from .torchneuron import TORCHNEURON
 
 # build default order: the first available Trainium backend, else the CPU artifact backend
-BACKENDS: dict[str, Backend] = {b.name: b for b in (EAGER, EXPORT, INDUCTOR, NXD)}
-BUILD_PREFERENCE = ("nxd", "export")
+BACKENDS: dict[str, Backend] = {b.name: b for b in (EAGER, EXPORT, INDUCTOR, TORCHNEURON, NXD)}
+BUILD_PREFERENCE = ("torchneuron", "nxd", "export")
 # names manifests carried before the registry (schema 1 alike): they still load under the new name
 RENAMED = {"cpu": "export", "compiled": "inductor", "neuron": "nxd"}
 

@@ -45,7 +45,7 @@ class TorchCompile(Backend):
     def check_host(self, manifest, host):
         super().check_host(manifest, host)
         built = manifest["compile"]["torch_compile_backend"]
-        if built != self.target.backend:
+        if built != self.target.backend:  # a schema-1 "compiled" build made on a TorchNeuron host
             raise ArtifactError(f"compile.torch_compile_backend: the cache was built for torch.compile backend "
                                 f"{built!r}, backend {self.name!r} compiles with {self.target.backend!r}")
 

@@ -4,10 +4,9 @@ ModelBuilder or PyTorch/XLA inference on Trn2 / Trn3 (use the torchneuron backen
 from __future__ import annotations
 
 from ..errors import ArtifactError
+from ..neuron import SUPPORTED
 from ..ranks import LocalRank
 from .base import Backend
-
-SUPPORTED = "Neuron SDK <= 2.33 (Trn1, Inf2, Trn2 pinned to 2.33); from SDK 2.34 on Trn2/Trn3 use --backend torchneuron"
 
 
 class NxD(Backend):

@@ -12,7 +12,7 @@ Modelled (names and argument order as in the NKI 0.6 stubs, aws-neuron-sdk nki/a
   indirect_dim); nisa: dma_copy, memset, iota, tensor_copy, tensor_tensor, tensor_scalar, tensor_reduce,
   tensor_tensor_scan, max8, nc_find_index8, and the oob_mode / dge_mode / engine enums.
 
-Rules enforced (each raises NkiRuleError naming the rule; tests/test_nki_interp.py breaks each one):
+Rules enforced (each raises NkiRuleError naming the rule):
   - on-chip (SBUF/PSUM) tensors: partition dim (dim 0) <= 128;
   - compute instructions touch contiguous partitions that start where the hardware allows (> 64 partitions
     start at 0; 33..64 at 0 or 64; <= 32 at 0, 32, 64 or 96), operands have equal partition counts, compute
@@ -25,6 +25,12 @@ Rules enforced (each raises NkiRuleError naming the rule; tests/test_nki_interp.
   - dma_copy never reads (or writes) PSUM; element counts of src and dst match;
   - tensor_scalar operands are fp32 (scalars or (P,1) tiles); memset values match the dtype's kind;
   - iota writes SBUF; tensor_tensor / scan inputs are not both in PSUM; no int64 / float64 kernel arguments.
+tests/test_nki_interp.py has a kernel that breaks each rule (RULES, each beside the same kernel keeping it),
+and test_every_raise_site_has_a_failing_kernel checks that every `raise NkiRuleError` in this file is reached
+by one, including the modelling limits ("... not modelled") and the view rules (indices, slices, reshape,
+.ap). Two raises are internal invariants no kernel can reach, because an earlier check fires first: a compute
+operand spanning > 128 partitions (ndarray caps dim 0 at 128, so such a view leaves its tensor) and a result
+whose size differs from dst's (every instruction compares dst with its operands before writing).
 Runtime behaviour modelled: fresh tensors hold garbage (NaN for floats, 0xDEADBEEF bit patterns for ints) as the
 official simulator's sentinels do, so reads of unwritten memory show; float arithmetic in fp32 with the result
 cast to dst (bf16: round to nearest even; float -> int: round to nearest even and saturate, NaN -> 0);

@@ -66,15 +66,17 @@ _TORCHNEURON_OPS: dict = {}
 
 
 def _torchneuron_ops() -> dict:
-    """Custom ops for TorchNeuron (SDK >= 2.32), registered once. Untested here: needs torch_neuronx."""
+    """Custom ops for TorchNeuron, registered once: each kernel wrapped by torch_neuronx's `nki_op` (a
+    torch.library custom op underneath, the form the backend lowers), jitted by the SDK's `nki`. The backend source
+    exports `nki_op` / `wrap_nki` at the top of torch_neuronx (no `torch_neuronx.nki`). Not run: the rehearsal kit
+    stubs `nki_op`, and there is no Neuron device here."""
     if _TORCHNEURON_OPS:
         return _TORCHNEURON_OPS
     try:
-        from torch_neuronx import nki as tn_nki
         from torch_neuronx import nki_op
     except ImportError as e:
-        raise NkiUnavailableError(f"'neuron' tensors need torch_neuronx (TorchNeuron, SDK >= 2.32): {e}") from e
-    jit = tn_nki.jit
+        raise NkiUnavailableError(f"'neuron' tensors need torch_neuronx (TorchNeuron, SDK >= 2.34): {e}") from e
+    jit = import_nki()[0].jit
 
     @nki_op("nxdi_voxtral::splice", mutates_args={})
     def splice_op(embeds: torch.Tensor, audio: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

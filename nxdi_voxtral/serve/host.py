@@ -124,6 +124,31 @@ def load_version(source: Source, resolved: str) -> Loaded:
     return Loaded(m, version)
 
 
+class HoldForTests:
+    """TEST HOOK, not a feature: with NXDI_VOXTRAL_TEST_HOLD=DIR in the environment (read once, when the Host is
+    created; unset everywhere but tests/test_serve.py) a test can act on a request that is certainly mid-generation,
+    with no timer. The test writes N to DIR/armed; the next request that starts takes that file, and once it has
+    accepted N tokens (the deltas up to there emitted) it creates DIR/held and keeps the device until DIR/release
+    exists or its client leaves (then it stops at the next token, as any cancelled request does)."""
+    ENV = "NXDI_VOXTRAL_TEST_HOLD"
+
+    def __init__(self, root: str):
+        self.root = Path(root)
+
+    def claim(self) -> int | None:
+        try:
+            at = int((self.root / "armed").read_text())
+        except FileNotFoundError:
+            return None
+        (self.root / "armed").unlink()
+        return at
+
+    def hold(self, cancel: threading.Event) -> None:
+        (self.root / "held").touch()
+        while not (self.root / "release").exists() and not cancel.wait(0.01):
+            pass
+
+
 @dataclass(eq=False)
 class Job:
     """One transcription request. `emit` (from the device thread) gets ("start", version) once prepare succeeded,
@@ -162,6 +187,8 @@ class Host:
         self.refused: tuple[str, str] | None = None
         self.last_swap: dict = {}
         self.active: set[Job] = set()
+        hold_dir = os.environ.get(HoldForTests.ENV)  # test hook: unset outside tests/test_serve.py
+        self.test_hold = HoldForTests(hold_dir) if hold_dir else None
 
     @property
     def ready(self) -> bool:
@@ -301,8 +328,11 @@ class Host:
         if job.emit:
             job.emit(("start", loaded.version))
         pending: list[int] = []  # streamed ids whose text is not out yet (an incomplete UTF-8 sequence)
+        hold_at = self.test_hold.claim() if self.test_hold else None  # test hook (HoldForTests)
+        accepted = 0
 
         def on_tokens(new_ids):
+            nonlocal hold_at, accepted
             if job.cancel.is_set():
                 self.metrics.cancelled.inc()
                 raise RequestCancelled()
@@ -312,6 +342,10 @@ class Host:
                 if text and not text.endswith("\ufffd"):
                     job.emit(("delta", text))
                     pending.clear()
+            accepted += len(new_ids)
+            if hold_at is not None and accepted >= hold_at:  # test hook (HoldForTests)
+                hold_at = None
+                self.test_hold.hold(job.cancel)
 
         ids, stats = m.generate(prompt.input_ids, prompt.input_features, max_new, timings, True, on_tokens=on_tokens)
         ids = ids[0].tolist()

@@ -16,7 +16,8 @@ if not os.path.exists("/dev/neuron0") or not hasattr(torch_neuronx, "xla_impl"):
 from nxdi_voxtral.build import build  # noqa: E402
 from nxdi_voxtral import NxDVoxtralSpecDec  # noqa: E402
 
-from conftest import SMALL_BUCKETS, noise  # noqa: E402
+from conftest import SMALL_BUCKETS  # noqa: E402
+from parity import print_latency, tokens_and_latency  # noqa: E402
 
 KINDS = [(None, None), ("layers", "layers_high"), ("dflash", "dflash"), ("ngram", None)]
 
@@ -31,15 +32,4 @@ def test_tp2_neffs_generate_the_cpu_tokens(kind, draft, spec_dirs, tmp_path):
     cpu = NxDVoxtralSpecDec.from_pretrained(spec_dirs["target"], draft=draft_dir, draft_kind=kind,
                                             buckets=SMALL_BUCKETS)
     dev = NxDVoxtralSpecDec.from_artifacts(out)
-    rows = []
-    for seconds, seed in ((3.0, 0), (41.0, 1)):
-        p = cpu.prepare(noise(seconds, seed=seed), sampling_rate=16000)
-        want = cpu.generate(p.input_ids, p.input_features, max_new_tokens=32)
-        timings = {}
-        got = dev.generate(p.input_ids, p.input_features, max_new_tokens=32, timings=timings)
-        assert got.tolist() == want.tolist(), f"{kind}: device tokens differ from the CPU backend"
-        rows.append((seconds, timings["prefill_s"] * 1e3, timings["decode_s"] * 1e3 / max(1, len(got[0]) - 1)))
-    print(f"\n{kind or 'plain'}: compile {compile_s:.0f} s")
-    print("| audio s | prefill ms | decode ms/token |\n|---|---|---|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]:.2f} | {r[2]:.2f} |")
+    print_latency(f"{kind or 'plain'}: compile {compile_s:.0f} s", tokens_and_latency(cpu, dev, str(kind)))

@@ -132,12 +132,12 @@ def test_collectives_and_per_rank_weights(built):
             assert w["target.language_model.embed_tokens.rank_util.rank"].tolist() == [r]
 
 
-class ReplayEngine:
+class ReplayRanks:
     """Runs the HLO modules handed to the compiler on XLA:CPU with rank 0's NxD-sharded weights, keeping the
-    aliased states (KV caches) between calls as the Neuron runtime would."""
+    aliased states (KV caches) between calls as the Neuron runtime would (the rank interface of ranks.py)."""
 
     def __init__(self, builder, setup, weights):
-        self.setup, self.model, self.draft, self.weights, self.state, self.computations = setup, None, None, weights, {}, {}
+        self.setup, self.weights, self.state, self.computations = setup, weights, {}, {}
         self.arts = {}
         for tag, container in builder.model_collection.items():
             specs = [s for s in graph_plan(setup) if s.tag == tag]
@@ -172,8 +172,8 @@ def test_replayed_hlo_drives_the_loop_to_the_cpu_tokens(kind, spec_dirs, tmp_pat
     engine = build_engine(target, draft=draft, draft_kind=kind, buckets=SMALL)
     builder = make_builder(NeuronPlan(engine, target, draft), 1, tmp_path / "workdir", progress=lambda m: None)
     stops_after_the_boundary(lambda: builder.trace(initialize_model_weights=False))
-    replay = ReplayEngine(builder, engine.setup, builder.shard_checkpoint()[0])
-    hlo = NxDVoxtralSpecDec(load_tokenizer(target), engine.setup, engine=replay)
+    replay = ReplayRanks(builder, engine.setup, builder.shard_checkpoint()[0])
+    hlo = NxDVoxtralSpecDec(load_tokenizer(target), replay)
     for seconds, seed in ((3.0, 0), (41.0, 1)):
         p = cpu.prepare(noise(seconds, seed=seed), sampling_rate=16000)
         want = cpu.generate(p.input_ids, p.input_features, max_new_tokens=24)
