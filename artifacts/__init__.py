@@ -1,1 +1,2 @@
-"""Checkout-only entry shim for `python -m artifacts` (the code is nxdi_voxtral.release; installed: nxdi-voxtral-artifacts)."""
+"""Checkout-only entry shim for `python -m artifacts` (the code: nxdi_voxtral.release; installed:
+nxdi-voxtral-artifacts)."""

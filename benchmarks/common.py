@@ -355,7 +355,7 @@ def yes_no(ok: bool) -> str:
 
 # ---------------------------------------------------------------- the real-size configuration
 
-# Voxtral-Mini-3B-2507 (DESIGN.md §1; the package's config defaults): decoder 30 x 3072, FFN 8192, 32/8 heads x 128,
+# Voxtral-Mini-3B-2507 (docs/design.md §1; the config defaults): decoder 30 x 3072, FFN 8192, 32/8 heads x 128,
 # vocab 131072, untied LM head; audio encoder 32 x 1280, FFN 5120, 20 heads. Same as cuda_realsize.configs(False).
 REALSIZE_DRAFT_LAYERS = [0, 10, 20, 29]   # the 4-layer pruned layer draft
 

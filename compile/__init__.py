@@ -1,1 +1,2 @@
-"""Checkout-only entry shim for `python -m compile.build` (the code is nxdi_voxtral.build; installed: nxdi-voxtral-build)."""
+"""Checkout-only entry shim for `python -m compile.build` (the code: nxdi_voxtral.build; installed:
+nxdi-voxtral-build)."""

@@ -3,8 +3,8 @@
        [--backend BACKEND] [--pack-weights]
 
 Enumerates every graph x bucket (nxdi_voxtral.graphs.graph_plan, the one list), checks the graph contract and
-builds each with the chosen backend (nxdi_voxtral.backends: export, inductor, nxd; default the first available of
-nxd, export), then writes manifest.json.
+builds each with the chosen backend (nxdi_voxtral.backends: export, inductor, torchneuron, nxd; default the first
+available of backends.BUILD_PREFERENCE: torchneuron, nxd, export), then writes manifest.json.
 """
 from __future__ import annotations
 

@@ -12,9 +12,11 @@ data pointers). fullgraph=True makes any graph break an error; dynamic=False kee
 (tag, bucket). Parameters and buffers are graph inputs, not constants, so a compiled graph does not depend on the
 weights: two models of the same shapes in one process (a serving hot swap) share dynamo's compiled code.
 
-The precompiled artifact is the compile cache: inductor's (FX graph + AOT autograd caches and the built C++
-kernels, all under TORCHINDUCTOR_CACHE_DIR) or TorchNeuron's NEFF / HLO caches, one directory per rank. Loading
-compiles again through dynamo (tracing is not cached by torch) but every backend compile is a cache hit.
+The precompiled artifact is the compile cache, per rank: inductor's directory (FX graph + AOT autograd caches and
+the built C++ kernels, all under TORCHINDUCTOR_CACHE_DIR), or for TorchNeuron torch's MegaCache bytes
+(torch.compiler.save_cache_artifacts(), which TorchNeuron extends with its NEFFs) plus each graph's NEFF cache
+keys in the manifest. Loading traces again through dynamo (tracing is not cached by torch); the backend compiles
+are answered from the cache.
 """
 from __future__ import annotations
 

@@ -54,8 +54,9 @@ class Engine:
             c.zero_()
 
     def check_contract(self, spec) -> None:
-        """The graph contract (docs/design.md §2) on one graph: no banned op / host sync / int64 at the boundary (contract.check_graph_call),
-        and KV caches written in place (same storage, new contents) by exactly the graphs that own a cache."""
+        """The graph contract (docs/design.md §2) on one graph: no banned op / host sync / int64 at the boundary
+        (contract.check_graph_call), and KV caches written in place (same storage, new contents) by exactly the
+        graphs that own a cache."""
         name = f"{spec.tag}[{spec.bucket}]"
         g = torch.Generator().manual_seed(0)
         inputs = tuple(torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t
@@ -73,28 +74,26 @@ class Engine:
 
     def export(self, out_dir: str) -> list[dict]:
         """Check and export every graph of this rank (the export backend's artifacts). Rank 0 prints progress."""
-        rank = self.rank
         out = []
         for spec in graph_plan(self.setup):
             t0 = time.perf_counter()
             self.check_contract(spec)
-            path = Path(out_dir) / f"{spec.tag}.{spec.bucket}.rank{rank}.pt2"
+            path = Path(out_dir) / f"{spec.tag}.{spec.bucket}.rank{self.rank}.pt2"
             names = export_graph(f"{spec.tag}[{spec.bucket}]", self.graphs[(spec.tag, spec.bucket)],
                                  example_inputs(spec, self.setup), path)
             out.append(dict(tag=spec.tag, bucket=spec.bucket, file=path.name, state_names=names,
                             seconds=time.perf_counter() - t0))
-            if rank == 0:
+            if self.rank == 0:
                 print(f"  {spec.tag:<24} {spec.bucket:>6}  {out[-1]['seconds']:6.2f} s", flush=True)
         self.clear_caches()  # the example inputs wrote into the KV caches
         return out
 
     def load_programs(self, art_dir: str, graphs: list[dict]) -> None:
         """Run the exported programs instead of the eager modules (same weights and caches)."""
-        rank = self.rank
         for g in graphs:
             key = (g["tag"], g["bucket"])
-            self.graphs[key] = Program(Path(art_dir) / g["file"].replace("rank0", f"rank{rank}"), self.graphs[key],
-                                       g["state_names"])
+            path = Path(art_dir) / g["file"].replace("rank0", f"rank{self.rank}")
+            self.graphs[key] = Program(path, self.graphs[key], g["state_names"])
 
     def check_contracts(self) -> None:
         for spec in graph_plan(self.setup):

@@ -81,8 +81,6 @@ def _check_duration(frames: int, sr: int, max_seconds: float | None, what: str, 
 
 
 def _read_file(path: Path, sampling_rate, max_seconds, strict: bool) -> tuple[np.ndarray, int]:
-    """Duration, rate and integrity from the header first; then decode block by block, mixing down as it goes,
-    so memory is one mono copy however many channels the file has."""
     what = str(path)
     if not path.exists():
         raise AudioError(f"{what}: no such audio file")
@@ -90,26 +88,39 @@ def _read_file(path: Path, sampling_rate, max_seconds, strict: bool) -> tuple[np
         raise AudioError(f"{what}: is a directory, not an audio file")
     if not os.access(path, os.R_OK):
         raise AudioError(f"{what}: permission denied (the file is not readable by this user)")
+    return _decode(lambda: what, what, sampling_rate, max_seconds, strict)
+
+
+def audio_header(open_source, what: str) -> tuple[int, int, str]:
+    """(frames, sample rate, libsndfile's notes) from the container's header (WAV, FLAC, OGG, MP3), without
+    decoding the audio. open_source() gives a path or a fresh file object."""
     try:
-        info = sf.info(what)
+        info = sf.info(open_source())
     except Exception as e:
         raise AudioError(f"{what}: cannot decode as audio ({type(e).__name__}: {e})") from None
-    sr = info.samplerate
-    _check_rate(sr, what)
+    _check_rate(info.samplerate, what)
+    return info.frames, info.samplerate, info.extra_info or ""
+
+
+def _decode(open_source, what: str, sampling_rate, max_seconds, strict: bool) -> tuple[np.ndarray, int]:
+    """Duration, rate and integrity from the header first; then decode block by block, mixing down as it goes,
+    so memory is one mono copy however many channels the file has, and an over-long file is refused before a
+    sample is decoded (a header that under-reports the length is caught while decoding)."""
+    frames, sr, notes = audio_header(open_source, what)
     if sampling_rate is not None and sampling_rate != sr:
         raise AudioError(f"{what}: file is {sr} Hz but sampling_rate={sampling_rate} was given")
-    _check_duration(info.frames, sr, max_seconds, what, "from the file header")
-    short = _TRUNCATED.search(info.extra_info or "")
+    _check_duration(frames, sr, max_seconds, what, "from the file header")
+    short = _TRUNCATED.search(notes)
     if short:
         msg = (f"{what}: truncated file: the header announces {short.group(1)} bytes of audio data, "
                f"{short.group(2)} are present")
         if strict:
             raise AudioError(msg)
-        warnings.warn(msg + "; transcribing the part present", AudioWarning, stacklevel=3)
+        warnings.warn(msg + "; transcribing the part present", AudioWarning, stacklevel=4)
     max_frames = None if max_seconds is None else int(max_seconds * sr) + 1
     parts, total = [], 0
     try:
-        with sf.SoundFile(what) as f:
+        with sf.SoundFile(open_source()) as f:
             for block in f.blocks(blocksize=1 << 16, dtype="float32", always_2d=True):
                 parts.append(block[:, 0].copy() if block.shape[1] == 1 else block.mean(axis=1, dtype=np.float32))
                 total += len(parts[-1])
@@ -141,7 +152,8 @@ def _array_samples(audio, sampling_rate) -> np.ndarray:
 
 def load_audio(audio, sampling_rate: int | None = None, max_seconds: float | None = None,
                strict: bool = False) -> np.ndarray:
-    """Path or array -> 16 kHz mono float32. Raises AudioError naming the problem.
+    """Path, encoded bytes (an upload: wav / flac / ogg / mp3) or array -> 16 kHz mono float32. Raises AudioError
+    naming the problem.
 
     Integer PCM arrays are scaled to [-1, 1]. max_seconds (the largest audio bucket) is checked before decoding
     (file header) or resampling (arrays), so neither the decode nor the resampled output can grow past it. A file
@@ -149,6 +161,11 @@ def load_audio(audio, sampling_rate: int | None = None, max_seconds: float | Non
     if isinstance(audio, (str, Path)):
         what = str(audio)
         samples, sr = _read_file(Path(audio), sampling_rate, max_seconds, strict)
+    elif isinstance(audio, (bytes, bytearray, memoryview)):
+        what = "uploaded audio"
+        if not len(audio):
+            raise AudioError(f"{what}: the file is empty")
+        samples, sr = _decode(lambda: io.BytesIO(audio), what, sampling_rate, max_seconds, strict)
     else:
         what, sr = "audio array", sampling_rate
         samples = _array_samples(audio, sampling_rate)

@@ -97,3 +97,40 @@ def test_bad_language_and_max_new_tokens(tiny_model):
     # nothing left half-done: the model still generates the same tokens after the errors
     a = tiny_model.generate(p.input_ids, p.input_features, max_new_tokens=6)
     assert torch.equal(a, tiny_model.generate(p.input_ids, p.input_features, max_new_tokens=6))
+
+
+def encoded(seconds: float, fmt: str, sr: int = 16000, seed: int = 3) -> bytes:
+    import io
+    buf = io.BytesIO()
+    sf.write(buf, noise(seconds, seed=seed, sr=sr), sr, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG", "MP3"])
+def test_uploaded_bytes_decode_as_the_file_does(fmt, tmp_path):
+    data = encoded(2.0, fmt)
+    path = tmp_path / f"clip.{fmt.lower()}"
+    path.write_bytes(data)
+    np.testing.assert_array_equal(load_audio(data), load_audio(path))
+
+
+@pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG", "MP3"])
+def test_over_long_upload_is_refused_from_its_header_before_any_decoding(fmt, monkeypatch):
+    """A small compressed upload can hold hours of audio: its length comes from the container's header and the
+    refusal comes before a sample is decoded (no block is read)."""
+    data = encoded(65.0, fmt, sr=8000)
+    decoded = []
+    for name in ("blocks", "read"):
+        monkeypatch.setattr(sf.SoundFile, name, lambda *a, **k: decoded.append(a) or iter(()))
+    with pytest.raises(AudioTooLongError, match="from the file header"):
+        load_audio(data, max_seconds=60.0)
+    assert decoded == []
+    monkeypatch.undo()
+    assert len(load_audio(data, max_seconds=70.0)) == 65 * 16000  # the same upload, within the limit
+
+
+def test_empty_and_garbage_uploads_are_audio_errors():
+    with pytest.raises(AudioError, match="empty"):
+        load_audio(b"")
+    with pytest.raises(AudioError, match="cannot decode as audio"):
+        load_audio(b"not audio at all" * 100)
