@@ -8,6 +8,7 @@ from nxdi_voxtral import AudioError, AudioTooLongError, ConfigError
 from nxdi_voxtral.processing import load_audio
 
 from conftest import noise
+from serve_helpers import wav_bytes
 
 
 @pytest.mark.parametrize("seconds", [3.0, 47.0])
@@ -99,11 +100,8 @@ def test_bad_language_and_max_new_tokens(tiny_model):
     assert torch.equal(a, tiny_model.generate(p.input_ids, p.input_features, max_new_tokens=6))
 
 
-def encoded(seconds: float, fmt: str, sr: int = 16000, seed: int = 3) -> bytes:
-    import io
-    buf = io.BytesIO()
-    sf.write(buf, noise(seconds, seed=seed, sr=sr), sr, format=fmt)
-    return buf.getvalue()
+def encoded(seconds: float, fmt: str, sr: int = 16000) -> bytes:
+    return wav_bytes(noise(seconds, seed=3, sr=sr), sr, fmt=fmt)
 
 
 @pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG", "MP3"])

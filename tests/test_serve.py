@@ -446,3 +446,19 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(server, refs):
     assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-2]) == refs["v1"]  # whole, not cut short
     assert server.proc.wait(60) == 0
     assert "stopped" in server.log()
+
+
+def test_an_upload_is_measured_from_its_header_and_not_decoded_before_admission(monkeypatch):
+    """10 minutes of silence is a few KB of FLAC: its length is read from the header (no block decoded), so a
+    too-long upload is refused with 413 before admission and before any decoding (the server test above)."""
+    import soundfile as sf
+    from nxdi_voxtral.serve.app import ApiError, upload_seconds
+    data = wav_bytes(np.zeros(16000 * 600, np.float32), fmt="FLAC")
+    assert len(data) < 200_000
+    for name in ("read", "blocks"):
+        monkeypatch.setattr(sf.SoundFile, name, lambda *a, **k: pytest.fail("decoded"))
+    assert upload_seconds(data) == 600.0
+    with pytest.raises(ApiError, match="empty"):
+        upload_seconds(b"")
+    with pytest.raises(ApiError, match="not readable audio"):
+        upload_seconds(b"RIFF but not really a wav file")

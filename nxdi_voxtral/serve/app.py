@@ -13,7 +13,6 @@ import time
 import uuid
 from typing import Literal
 
-import soundfile as sf
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -24,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..errors import AudioError, AudioTooLongError, ConfigError
+from ..processing import audio_header
 from .host import Host, Job, NotServing, RequestCancelled, WorkerDied
 
 log = logging.getLogger(__name__)
@@ -154,16 +154,17 @@ class RequestMetrics:
             self.metrics.latency.labels(endpoint, str(status)).observe(time.perf_counter() - t0)
 
 
-def read_audio(data: bytes):
-    """Upload bytes -> (float32 samples, rate). soundfile reads wav / flac / ogg / mp3."""
+def upload_seconds(data: bytes) -> float:
+    """Seconds of audio in an upload, from its container's header (wav / flac / ogg / mp3): nothing is decoded
+    here. A small compressed file can hold hours of audio; it is refused (413) on this number before admission,
+    and the decoding itself runs under admission, on the device thread (Host), block by block."""
     if not data:
         raise ApiError(400, "the uploaded file is empty", "invalid_audio", "file")
     try:
-        samples, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as e:  # noqa: BLE001 - libsndfile's errors are plain RuntimeErrors
-        raise ApiError(400, f"the uploaded file is not readable audio ({type(e).__name__}: {e})", "invalid_audio",
-                       "file") from None
-    return samples, sr
+        frames, sr, _ = audio_header(lambda: io.BytesIO(data), "uploaded audio")
+    except AudioError as e:
+        raise ApiError(400, f"the uploaded file is not readable audio ({e})", "invalid_audio", "file") from None
+    return frames / sr
 
 
 AUDIO_TYPES = ("audio/", "video/", "application/octet-stream", "application/ogg")
@@ -271,16 +272,17 @@ def create_app(host: Host, metrics, model_name: str, max_upload_bytes: int, queu
         if not host.ready:
             metrics.rejected.labels("not_ready").inc()
             raise busy(f"not ready: {host.state}", "not_ready", 2)
-        samples, sr = await run_in_threadpool(read_audio, await file.read())
+        data = await file.read()
+        seconds = await run_in_threadpool(upload_seconds, data)
         loaded = host.live
         if loaded is not None:
             limit_s = loaded.model.buckets.max_audio_seconds(loaded.model.cfg)
-            if samples.shape[0] / sr > limit_s:
-                raise ApiError(413, f"audio of {samples.shape[0] / sr:.1f} s is longer than the largest audio bucket "
+            if seconds > limit_s:
+                raise ApiError(413, f"audio of {seconds:.1f} s is longer than the largest audio bucket "
                                f"({limit_s:g} s)", "audio_too_long", "file")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(samples=samples, sampling_rate=sr, language=language or None,
+        job = Job(audio=data, language=language or None,
                   max_new_tokens=max_completion_tokens, stream=stream,
                   emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         admission: Admission = app.state.admission

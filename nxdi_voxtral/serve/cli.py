@@ -24,6 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (--model / demo; artifacts carry theirs)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--buckets", help="--model / demo: e.g. audio=1,2:kv=512,1024 (artifacts carry theirs)")
+    p.add_argument("--backend", default="eager",
+                   help="--model / demo: a backend that prepares the graphs at load (eager, inductor, torchneuron; "
+                        "artifacts carry theirs)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default="voxtral-mini-3b")
@@ -54,7 +57,7 @@ def source_from_args(args):
               file=sys.stderr)
     from ..graphs import parse_buckets
     return Source("demo" if args.model is None else "model", path, draft, kind, args.num_speculative_tokens,
-                  args.tp, args.dtype, parse_buckets(args.buckets) if args.buckets else None)
+                  args.tp, args.dtype, parse_buckets(args.buckets) if args.buckets else None, args.backend)
 
 
 def serve(args) -> int:
@@ -71,6 +74,9 @@ def serve(args) -> int:
             raise ConfigError(f"{name} must be >= {low}, got {value}")
     if args.queue_timeout <= 0 or args.max_upload_mb <= 0 or args.grace < 0 or args.watch < 0:
         raise ConfigError("--queue-timeout and --max-upload-mb must be > 0, --grace and --watch >= 0")
+    from .. import backends
+    if not backends.get(args.backend).from_checkpoint:  # an unknown name is a ConfigError here, before loading
+        raise ConfigError(f"--backend {args.backend}: runs from artifacts; build them and serve with --artifacts")
     metrics = Metrics()
     host = Host(source_from_args(args), metrics, args.max_new_tokens)
     stop = threading.Event()

@@ -49,6 +49,7 @@ class Source:
     tp: int = 1
     dtype: str = "fp32"
     buckets: object = None  # graphs.Buckets for model / demo; artifacts carry their own
+    backend: str = "eager"  # model / demo: from_pretrained's backend; artifacts carry their own
 
     def resolve(self) -> str:
         return os.path.realpath(self.path)
@@ -94,7 +95,7 @@ def open_model(source: Source, resolved: str):
         return NxDVoxtralSpecDec.from_artifacts(resolved)  # verifies the manifest: files, sizes, sha256, host
     return NxDVoxtralSpecDec.from_pretrained(resolved, draft=source.draft, draft_kind=source.draft_kind,
                                              num_speculative_tokens=source.k, dtype=DTYPES[source.dtype],
-                                             buckets=source.buckets, tp_degree=source.tp)
+                                             buckets=source.buckets, tp_degree=source.tp, backend=source.backend)
 
 
 def warm(m) -> None:
@@ -153,8 +154,7 @@ class HoldForTests:
 class Job:
     """One transcription request. `emit` (from the device thread) gets ("start", version) once prepare succeeded,
     then ("delta", text) per accepted token span when streaming."""
-    samples: np.ndarray
-    sampling_rate: int
+    audio: bytes          # the upload as sent (wav / flac / ogg / mp3): decoded on the device thread, admitted
     language: str | None
     max_new_tokens: int | None = None  # the request's own cap (vLLM's max_completion_tokens)
     stream: bool = False
@@ -317,7 +317,7 @@ class Host:
 
     def _transcribe(self, loaded: Loaded, job: Job) -> Result:
         m, t0 = loaded.model, time.perf_counter()
-        prompt = m.prepare(job.samples, job.language, job.sampling_rate)
+        prompt = m.prepare(job.audio, job.language)
         prompt_len = prompt.input_ids.shape[1]
         room = m.setup.token_room(prompt_len)
         if room < 1:

@@ -116,7 +116,10 @@ def test_release_ships_the_neff_cache_and_a_miss_names_the_graph(spec_dirs, tmp_
         p = eager.prepare(noise(2.0, seed=5), sampling_rate=16000)
         want = eager.generate(p.input_ids, p.input_features, max_new_tokens=N_NEW)[0].tolist()
     torch._dynamo.reset()  # as a fresh host: every graph is traced and handed over again
-    with NxDVoxtralSpecDec.from_artifacts(out) as m:
+    # the server's start-up path: load the release (manifest verified), run every graph, transcribe 1 s of silence
+    from nxdi_voxtral.serve.host import Source, open_model, warm
+    with open_model(Source("artifacts", str(out)), str(out)) as m:
+        warm(m)
         assert m.generate(p.input_ids, p.input_features, max_new_tokens=N_NEW)[0].tolist() == want
     # a release whose token_generation NEFF is not the one this host compiles to: refused, naming the graph
     for g in manifest["graphs"]:
