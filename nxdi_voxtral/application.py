@@ -1,17 +1,15 @@
 """NxDVoxtralSpecDec: the user-facing application (load target and draft, generate, transcribe)."""
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import generate as gen
+from . import backends, generate as gen
 from .config import VoxtralConfig
 from .contract import ContractViolation, check_distinct_signatures, signature
-from . import backends
 from .backends import EAGER, Backend
 from .engine import Engine, check_request
 from .errors import CheckpointError, ConfigError, ModelClosedError
@@ -19,8 +17,6 @@ from .graphs import Buckets, GraphSetup, example_inputs, graph_plan
 from .tp import layout
 from .processing import build_prompt, decode, load_audio, load_tokenizer
 from .speculative import DFlashDrafter, LayerDrafter, NgramDrafter, SpecStats
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
