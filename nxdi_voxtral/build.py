@@ -18,9 +18,8 @@ import torch
 
 from nxdi_voxtral import backends
 from nxdi_voxtral.errors import ArtifactError, ConfigError, VoxtralError
-from nxdi_voxtral.graphs import Buckets, parse_buckets
+from nxdi_voxtral.graphs import DTYPE_NAMES as DTYPES, Buckets, parse_buckets
 from nxdi_voxtral.manifest import SCHEMA_VERSION, file_entries, host_versions, weight_files, write_manifest
-from nxdi_voxtral.graphs import DTYPE_NAMES as DTYPES
 
 # what a build may leave in --out (--force replaces only a directory that holds one of these)
 BUILD_OUTPUTS = ("manifest.json", "graphs", "compile_cache", "model.pt")
@@ -60,11 +59,8 @@ def build(model, out, draft=None, draft_kind=None, k=None, tp=1, buckets=None, d
           backend: str | None = None, pack_weights=False, progress=progress) -> dict:
     be = backends.get(backend) if backend else backends.default_build_backend()
     if not be.builds:
-        raise ConfigError(f"backend {be.name!r} writes no artifacts; build with one of "
-                          f"{', '.join(b.name for b in backends.BACKENDS.values() if b.builds)}")
-    why = be.unavailable()
-    if why:
-        raise ArtifactError(f"backend {be.name!r} cannot build on this host: {why}")
+        raise ConfigError(f"backend {be.name!r} writes no artifacts; build with one of {', '.join(backends.BUILDERS)}")
+    be.require("build")
     out = Path(out)
     check_build_args(model, out, tp)
     t0 = time.perf_counter()
@@ -110,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--buckets")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--backend", help=f"one of {', '.join(b.name for b in backends.BACKENDS.values() if b.builds)} "
+    ap.add_argument("--backend", help=f"one of {', '.join(backends.BUILDERS)} "
                     "(default: the first available of " + ", ".join(backends.BUILD_PREFERENCE) + ")")
     ap.add_argument("--pack-weights", action="store_true", help="copy the checkpoint(s) into the artifact")
     ap.add_argument("--force", action="store_true", help="replace --out if it holds an earlier (or failed) build")

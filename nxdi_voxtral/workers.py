@@ -399,7 +399,7 @@ class RankWorkers:
 
     def dead(self) -> bool:
         """A rank process has exited (the runtime is unusable; the server reopens the model)."""
-        return any(p.poll() is not None for p in self.procs)
+        return bool(self._dead_ranks())
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from .torchneuron import TORCHNEURON
 # build default order: the first available Trainium backend, else the CPU artifact backend
 BACKENDS: dict[str, Backend] = {b.name: b for b in (EAGER, EXPORT, INDUCTOR, TORCHNEURON, NXD)}
 BUILD_PREFERENCE = ("torchneuron", "nxd", "export")
+BUILDERS = tuple(name for name, b in BACKENDS.items() if b.builds)  # the backends that write artifacts
 # names manifests carried before the registry (schema 1 alike): they still load under the new name
 RENAMED = {"cpu": "export", "compiled": "inductor", "neuron": "nxd"}
 
@@ -30,9 +31,9 @@ def get(name: str) -> Backend:
 def for_manifest(manifest: dict) -> Backend:
     name = manifest.get("backend")
     name = RENAMED.get(name, name)
-    if name not in BACKENDS or not BACKENDS[name].builds:
+    if name not in BUILDERS:
         raise ArtifactError(f"backend: {manifest.get('backend')!r} is not a backend that writes artifacts "
-                            f"({', '.join(b.name for b in BACKENDS.values() if b.builds)}); rebuild with "
+                            f"({', '.join(BUILDERS)}); rebuild with "
                             "`python -m compile.build --backend NAME ...`")
     return BACKENDS[name]
 

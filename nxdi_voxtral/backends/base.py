@@ -22,6 +22,12 @@ class Backend:
         """Why this host cannot build or run this backend, or None."""
         return None
 
+    def require(self, doing: str) -> None:
+        """ArtifactError, before any weight is read, where this host cannot `doing` (build / load) with it."""
+        why = self.unavailable()
+        if why:
+            raise ArtifactError(f"backend {self.name!r} cannot {doing} on this host: {why}")
+
     def open(self, build_kwargs: dict, tp: int, call_timeout_s: float | None = None):
         """From a checkpoint: load on tp ranks and prepare every graph -> (ranks, compile_stats or None)."""
         if not self.from_checkpoint:

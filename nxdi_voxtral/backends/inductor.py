@@ -20,6 +20,7 @@ class TorchCompile(Backend):
     target = compiled.INDUCTOR
 
     def open(self, build_kwargs, tp, call_timeout_s=None, cache_dir: str | None = None, building: bool = False):
+        self.require("load")  # before any weight is read or a rank process starts
         ranks = open_ranks(tp, build_kwargs, call_timeout_s, self.target.process_group)
         # every rank compiles its own graphs; rank 0's records stand for all
         stats = closing_on_error(ranks, lambda r: r.call("compile", self.target, cache_dir, building)[0])

@@ -28,12 +28,6 @@ class TorchNeuron(TorchCompile):
             return f"the torch.compile backend 'neuron' is not registered here; needs {SUPPORTED}"
         return None
 
-    def open(self, build_kwargs, tp, call_timeout_s=None, cache_dir=None, building=False):
-        why = self.unavailable()
-        if why:
-            raise ArtifactError(f"backend torchneuron: {why}")
-        return super().open(build_kwargs, tp, call_timeout_s, cache_dir, building)
-
     def load(self, art_dir, manifest, build_kwargs, call_timeout_s=None):
         ranks, stats = super().load(art_dir, manifest, build_kwargs, call_timeout_s)
         built = {(g["tag"], g["bucket"]): set(g.get("neff_keys", ())) for g in manifest["graphs"]}
