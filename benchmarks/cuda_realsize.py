@@ -10,7 +10,8 @@ Target layers the 4-layer pruned draft drops (it keeps [0, 10, 20, 29]) have o_p
 synthetic.damp_dropped_layers does, so acceptance is meaningful; the draft holds its own copy of those 4 layers
 and shares embeddings, final norm, LM head and audio tower with the target. The DFlash draft is random (5 layers,
 block 16): it measures cost, not acceptance. Graphs come from graphs.py (`graph_plan`, `build_graph`); the host
-loops are generate.decode / generate.speculate with speculative.LayerDrafter.
+loops are generate.decode_step / generate.speculate_step with speculative.LayerDrafter, on one sequence (batch 1,
+KV slot 0).
 
 CUDA graphs: each (tag, bucket) module is captured once with torch.cuda.CUDAGraph over static input buffers (the
 KV caches are the model's own buffers, written in place during replay); a call copies its inputs into the
@@ -52,7 +53,7 @@ from benchmarks.common import (markdown_table, median, roofline_ms, roofline_pro
 from nxdi_voxtral.config import AudioEncoderConfig, TextConfig, VoxtralConfig  # noqa: E402
 from nxdi_voxtral.dflash import DFlashConfig, DFlashDraft  # noqa: E402
 from nxdi_voxtral.eval.divergence import first_divergence  # noqa: E402
-from nxdi_voxtral.generate import I32, cache_mask, decode, prepare_prefill, speculate  # noqa: E402
+from nxdi_voxtral.generate import I32, Sequence, cache_masks, decode_step, prepare_prefill, speculate_step  # noqa: E402
 from nxdi_voxtral.graphs import Buckets, GraphSetup, GraphSpec, build_graph, example_inputs, graph_plan  # noqa: E402
 from nxdi_voxtral.model import VoxtralModel, cached_visible  # noqa: E402
 from nxdi_voxtral.speculative import LayerDrafter, SpecStats  # noqa: E402
@@ -285,17 +286,18 @@ def call_inputs(spec: GraphSpec, setup: GraphSetup, position: int, dtype, gen) -
     s, v = spec.bucket, setup.cfg.text.vocab_size
     tok = lambda *shape: torch.randint(1000, v, shape, generator=gen, dtype=I32)  # noqa: E731
     rng = lambda start, n: (start + torch.arange(n, dtype=I32))[None]  # noqa: E731
+    slot = torch.zeros(1, dtype=I32)   # one sequence, KV slot 0
     if spec.tag == "token_generation":
-        out = (tok(1, 1), torch.tensor([position], dtype=I32), cache_mask(s, position))
+        out = (tok(1, 1), torch.tensor([position], dtype=I32), cache_masks(s, [position]), slot)
     elif spec.tag == "verify":
-        out = (tok(1, setup.k + 1), rng(position, setup.k + 1), cache_mask(s, position),
-               torch.tensor([setup.k], dtype=I32))
+        out = (tok(1, setup.k + 1), rng(position, setup.k + 1), cache_masks(s, [position]),
+               torch.tensor([setup.k], dtype=I32), slot)
     elif spec.tag == "draft_fused_k":
-        out = (tok(1, 2), rng(position - 1, 2), cache_mask(s, position - 1))
+        out = (tok(1, 2), rng(position - 1, 2), cache_masks(s, [position - 1]), slot)
     elif spec.tag == "dflash_draft":
         r = 5   # accepted rows whose features arrive with this call; the rest is padding
         out = (torch.randn(1, setup.dflash_block, setup.feature_dim, generator=gen).to(dtype), rng(position - r,
-               setup.dflash_block), tok(1, 1), torch.tensor([position], dtype=I32), cache_mask(s, position))
+               setup.dflash_block), tok(1, 1), torch.tensor([position], dtype=I32), cache_masks(s, [position]), slot)
     else:
         raise ValueError(spec.tag)
     assert [(x.shape, x.dtype) for x in out] == [(x.shape, x.dtype) for x in shapes], spec
@@ -307,10 +309,11 @@ def margin_at_divergence(target, runner_ce, prefill_inputs, tokens, i, bucket, d
     a time as token_generation does: top-1 vs runner-up margin against the bf16 spacing at the top-1 logit."""
     runner_ce.eager(*prefill_inputs)  # the prompt's K/V
     lm, position = target.language_model, int(prefill_inputs[3][0]) + 1
+    slots = torch.zeros(1, dtype=I32, device=dev)
     for j in range(i):
-        pos = torch.tensor([position + j], dtype=I32, device=dev)
+        pos = torch.tensor([[position + j]], dtype=I32, device=dev)
         x = lm.embed_tokens(torch.tensor([[tokens[j]]], device=dev))
-        h, _ = lm(x, pos, bucket, cached_visible(pos, cache_mask(bucket, position + j).to(dev)))
+        h, _ = lm(x, pos, slots, bucket, cached_visible(pos, cache_masks(bucket, [position + j]).to(dev)))
     logits = target.lm_head(h[0, -1]).float()
     top = torch.topk(logits, 2)
     top1, top2 = float(top.values[0]), float(top.values[1])
@@ -378,6 +381,7 @@ def main() -> None:
     nb, mel, ids, audio_positions, last_index = prompt_inputs(cfg, buckets, dev, gen)
     prompt_len = ids.shape[1]
     audio_embeds = torch.randn(audio_positions.shape[0], cfg.text.hidden_size, generator=gen).to(dtype)
+    slot0 = torch.zeros(1, dtype=I32)   # the one sequence's KV slot (batch 1)
 
     def inputs_for(spec, setup, position):
         """Prefill graphs: inputs already on the device (in the host loop the audio embeddings come from the
@@ -386,9 +390,9 @@ def main() -> None:
         if spec.tag == "audio_encoder":
             return on_dev(mel)
         if spec.tag == "context_encoding":
-            return on_dev(ids, audio_embeds, audio_positions, last_index)
+            return on_dev(ids, audio_embeds, audio_positions, last_index, slot0)
         if spec.tag == "draft_context_encoding":
-            return on_dev(ids, audio_embeds, audio_positions)
+            return on_dev(ids, audio_embeds, audio_positions, slot0)
         return call_inputs(spec, setup, position, dtype, gen)
 
     # ---------------- per-call cost
@@ -486,20 +490,22 @@ def main() -> None:
         sync()
         t_a = time.perf_counter()
         (embeds,) = run("audio_encoder", nb, mel)
-        first, *_ = run("context_encoding", nb, ids, embeds, audio_positions, last_index)
+        first, *_ = run("context_encoding", nb, ids, embeds, audio_positions, last_index, slot0)
         position = int(last_index[0]) + 1
+        seq = Sequence(0, [], position, n_new, eos, stats, int(ids[0, position - 1]))
         drafter = None
         if k:
-            drafter = LayerDrafter(run, buckets, k, stats, int(ids[0, position - 1]))
-            drafter.prefill(nb, ids, embeds, audio_positions)
-        first = int(first[0])
+            drafter = LayerDrafter(run, buckets, k)
+            drafter.prefill(seq, nb, ids, embeds, audio_positions)
+        seq.emit([int(first[0])])
         sync()
         t_b = time.perf_counter()
-        if k:
-            tokens = speculate(run, drafter, first, position, n_new, eos, buckets, k, stats)
-        else:
-            tokens = decode(run, first, position, n_new, eos, buckets)
-            stats.target_passes += len(tokens) - 1
+        while not seq.done:   # batch 1: no free slots to pad with
+            if k:
+                speculate_step(run, drafter, [seq], buckets, k, [])
+            else:
+                decode_step(run, [seq], buckets, [])
+        tokens = seq.tokens
         sync()
         t_c = time.perf_counter()
         return tokens, stats, 1e3 * (t_b - t_a), 1e3 * (t_c - t_b) / (len(tokens) - 1)
@@ -563,7 +569,7 @@ def main() -> None:
         try:
             embeds = runners[("audio_encoder", nb)][2].eager(mel)[0]
             m = margin_at_divergence(target, runners[("context_encoding", nb)][2],
-                                     (ids, embeds, audio_positions, last_index), ref_tokens, i,
+                                     (ids, embeds, audio_positions, last_index, slot0), ref_tokens, i,
                                      buckets.kv_lengths[0], dev)
             spec_token = results[(mode, k)][0][i]
             say(f"first divergence: {mode} K={k} at token {i} (plain {m['plain_token']}, speculative {spec_token}; "

@@ -109,29 +109,33 @@ def prompt(m):
 
 # ---------------------------------------------------------------- graph calls and the work they do
 
-def call_fns(m, position: int, verify_rows=(), bucket: int = KV) -> dict:
+def call_fns(m, position: int, verify_rows=(), bucket: int = KV, batch: int = 1) -> dict:
     """Closures of single graph calls at a KV bucket: decode, verify (at the model's K+1 rows, or at each of
-    verify_rows), and the model's draft call."""
-    from nxdi_voxtral.generate import I32, cache_mask
+    verify_rows rows per sequence), and the model's draft call. batch: sequences per call (KV slots 0..batch-1, each
+    at `position`; the model needs that batch bucket). Through the in-process engine where there is one (so a verify
+    of any width runs on the one verify module), else m.run (tp > 1: the compiled K+1 only)."""
+    from nxdi_voxtral.generate import I32, cache_masks
     from nxdi_voxtral.speculative import ngram_propose
-    run, s, k = m.engine.run, m.setup, m.setup.k
-    i = lambda *v: torch.tensor(v, dtype=I32)  # noqa: E731
-    mask = cache_mask(bucket, position)
-    fns = {"decode": lambda: run("token_generation", bucket, i([5]), i(position), mask)}
+    run, s, k, b = (m.engine.run if m.engine is not None else m.run), m.setup, m.setup.k, batch
+    i = lambda v: torch.tensor(v, dtype=I32)  # noqa: E731
+    rows = lambda v: i([v] * b)  # noqa: E731 - the same row for every sequence
+    slots, mask = i(list(range(b))), cache_masks(bucket, [position] * b)
+    fns = {"decode": lambda: run("token_generation", bucket, rows([5]), rows(position), mask, slots)}
     for r in verify_rows or ((k + 1,) if s.draft_kind else ()):
-        fns[f"verify {r}"] = (lambda r: lambda: run("verify", bucket, i([5] * r),
-                                                    i(list(range(position, position + r))), mask, i(r - 1)))(r)
+        fns[f"verify {r}"] = (lambda r: lambda: run("verify", bucket, rows([5] * r),
+                                                    rows(list(range(position, position + r))), mask, rows(r - 1),
+                                                    slots))(r)
     if s.draft_kind == "layers":
-        fns["draft"] = lambda: run("draft_fused_k", bucket, i([5, 6]), i([position - 1, position]),
-                                   cache_mask(bucket, position - 1))
+        fns["draft"] = lambda: run("draft_fused_k", bucket, rows([5, 6]), rows([position - 1, position]),
+                                   cache_masks(bucket, [position - 1] * b), slots)
     elif s.draft_kind == "dflash":
-        b = s.dflash_block
-        feats = torch.zeros(1, b, s.feature_dim, dtype=s.dtype)
-        fns["draft"] = lambda: run("dflash_draft", bucket, feats, i(list(range(position, position + b))), i([5]),
-                                   i(position), mask)
+        blk = s.dflash_block
+        feats = torch.zeros(b, blk, s.feature_dim, dtype=s.dtype)
+        fns["draft"] = lambda: run("dflash_draft", bucket, feats, rows(list(range(position, position + blk))),
+                                   rows([5]), rows(position), mask, slots)
     elif s.draft_kind == "ngram":
         hist = list(range(200)) * 2
-        fns["draft"] = lambda: ngram_propose(hist, k)
+        fns["draft"] = lambda: [ngram_propose(hist, k) for _ in range(b)]
     return fns
 
 
@@ -183,11 +187,17 @@ def bench_calls(dtype: str, rounds: int) -> dict:
 # ---------------------------------------------------------------- end to end
 
 def plain_greedy(m, p, n: int):
-    """Plain greedy on m's target after m's prefill (what generate() does without a draft) -> (tokens, decode s)."""
-    from nxdi_voxtral.generate import decode
-    from nxdi_voxtral.speculative import SpecStats
-    first, position, _ = m.prefill(p.input_ids, p.input_features, SpecStats("none", 0))
-    return timed(decode, m.run, first, position, n, m.cfg.text.eos_token_id, m.buckets)
+    """Plain greedy on m's target after m's prefill (what generate() does without a draft: m.start, then one
+    token_generation step at a time) -> (tokens, decode s). One sequence in KV slot 0."""
+    from nxdi_voxtral.generate import decode_step
+    seq = m.start(*m.check_inputs(p.input_ids, p.input_features), n, 0)
+    free = list(range(1, m.buckets.max_batch))
+
+    def loop():
+        while not seq.done:
+            decode_step(m.run, [seq], m.buckets, free)
+        return seq.tokens
+    return timed(loop)
 
 
 def bench_ours(kind: str, k: int | None, n_new: int, runs: int, rounds: int) -> dict:

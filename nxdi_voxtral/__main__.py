@@ -7,6 +7,7 @@ import logging
 import sys
 
 
+from .application import MAX_AUDIO_S
 from .errors import VoxtralError
 from .graphs import DTYPE_NAMES as DTYPES
 
@@ -24,6 +25,8 @@ def check_cheap_args(args) -> None:
     check_language(args.language)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    if args.max_batch_size < 1:
+        raise ConfigError(f"--max-batch-size must be a positive integer, got {args.max_batch_size}")
     k = args.num_speculative_tokens
     if k is not None and k < 1:
         raise ConfigError(f"-k / --num-speculative-tokens must be a positive integer, got {k}")
@@ -61,6 +64,11 @@ def main(argv=None) -> int:
     t.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     t.add_argument("--json", action="store_true", help="print the result as JSON")
     t.add_argument("--strict", action="store_true", help="refuse a truncated audio file instead of warning")
+    t.add_argument("--max-batch-size", type=int, default=1,
+                   help="sequences decoded at once: the windows of long audio run as a batch (default 1)")
+    t.add_argument("--max-audio-s", type=float, default=MAX_AUDIO_S,
+                   help="longest audio accepted; audio longer than the largest audio bucket is transcribed in "
+                        "windows cut at quiet points (default 3 h)")
     s = sub.add_parser("serve", help="OpenAI-compatible transcription server (see README, Serving)")
     from .serve.cli import add_arguments as add_serve_arguments
     add_serve_arguments(s)
@@ -89,14 +97,17 @@ def main(argv=None) -> int:
                   file=sys.stderr)
         m = NxDVoxtralSpecDec.from_pretrained(model_dir, draft=draft, draft_kind=args.draft_kind,
                                               num_speculative_tokens=args.num_speculative_tokens,
-                                              dtype=DTYPES[args.dtype])
-        r = m.transcribe(args.audio, language=args.language, max_new_tokens=args.max_new_tokens, strict=args.strict)
+                                              dtype=DTYPES[args.dtype], max_batch_size=args.max_batch_size)
+        r = m.transcribe(args.audio, language=args.language, max_new_tokens=args.max_new_tokens, strict=args.strict,
+                         max_audio_s=args.max_audio_s)
     except VoxtralError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     stats = r.stats.summary()
     if args.json:
-        print(json.dumps({"text": r.text, "token_ids": r.token_ids, "timings": r.timings, "stats": stats}))
+        segments = [{"start": g.start, "end": g.end, "text": g.text} for g in r.segments]
+        print(json.dumps({"text": r.text, "token_ids": r.token_ids, "segments": segments, "timings": r.timings,
+                          "stats": stats}))
     else:
         print(r.text)
         print("timings: " + ", ".join(f"{k}={v:.4g}" for k, v in r.timings.items()), file=sys.stderr)

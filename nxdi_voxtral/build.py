@@ -89,9 +89,9 @@ def build(model, out, draft=None, draft_kind=None, k=None, tp=1, buckets=None, d
         "weights": weights, "graphs": graphs, "build_seconds": total, **extra,
     }
     write_manifest(out, manifest)
-    progress(f"\n{'graph':<24} {'bucket':>6}  {'seconds':>7}")
+    progress(f"\n{'graph':<24} {'bucket':>6} {'batch':>5}  {'seconds':>7}")
     for g in graphs:
-        progress(f"{g['tag']:<24} {g['bucket']:>6}  " + (f"{g['seconds']:7.2f}" if "seconds" in g else "      -"))
+        progress(f"{g['tag']:<24} {g['bucket']:>6} {g['batch']:>5}  " + (f"{g['seconds']:7.2f}" if "seconds" in g else "      -"))
     progress(f"{len(graphs)} graphs x {tp} rank(s) in {total:.1f} s -> {out}")
     return manifest
 

@@ -189,24 +189,24 @@ def compile_engine(engine, target: Target, cache_dir: str | None = None, buildin
     try:
         with compile_cache(cache) if cache is not None else nullcontext():
             for spec in graph_plan(engine.setup):
-                key = (spec.tag, spec.bucket)
+                key = spec.key
                 if not isinstance(engine.graphs[key], CompiledGraph):
                     engine.graphs[key] = CompiledGraph(engine.graphs[key], target, device,
                                                        target.options(engine.model.comm.size))
                 if target.cache == "megacache":
-                    name_neuron_graph(f"{spec.tag}[{spec.bucket}]")
+                    name_neuron_graph(spec.name)
                     if not building:  # keys an earlier load tracked would hide this graph's (loads save nothing)
                         forget_neff_keys()
                 before, neffs = compile_counts(), neff_keys()
                 t0 = time.perf_counter()
                 engine.run(spec.tag, spec.bucket, *example_inputs(spec, engine.setup))  # under inference_mode
                 after = compile_counts()
-                records.append(dict(tag=spec.tag, bucket=spec.bucket, seconds=time.perf_counter() - t0,
+                records.append(dict(tag=spec.tag, bucket=spec.bucket, batch=spec.batch, seconds=time.perf_counter() - t0,
                                     **{k: after[k] - before[k] for k in after}))
                 if neffs is not None:
                     records[-1]["neff_keys"] = sorted(neff_keys() - neffs)
                 if rank == 0 and building:
-                    print(f"  {spec.tag:<24} {spec.bucket:>6}  {records[-1]['seconds']:6.2f} s", flush=True)
+                    print(f"  {spec.tag:<24} {spec.bucket:>6} {spec.batch:>5}  {records[-1]['seconds']:6.2f} s", flush=True)
     finally:
         if work is not None:  # compiled code is loaded: the copy is no longer read
             shutil.rmtree(work, ignore_errors=True)

@@ -27,7 +27,9 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-ROW_INVARIANT_ROWS = 16  # a verify pass has K+1 <= 16 rows; more rows (prefill) take torch's fastest kernel
+# a verify pass of a batch has b x (K+1) <= 8 x 16 rows; more rows (prefill) take torch's fastest kernel
+ROW_INVARIANT_ROWS = 128
+TWIN_COLUMNS = 16  # the bf16 torch twin's one product shape
 # False in a process that compiles the graphs for a Neuron device (the torchneuron backend, compiled.Target): the
 # graphs then take the device branch (F.linear / SDPA, which the backend lowers) on every tensor, also on the CPU
 # tensors of the rehearsal kit, where these opaque ops have no lowering
@@ -87,7 +89,7 @@ def kernel_library() -> ctypes.CDLL | None:
         return None
     lib.row_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.row_linear.restype = None
-    lib.decode_attention.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    lib.decode_attention.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
                                      + [ctypes.c_int] * 2 + [ctypes.c_void_p])
     lib.decode_attention.restype = None
     return lib
@@ -97,11 +99,12 @@ def torch_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The same contract on torch's kernels: every call has one fixed shape per dtype, because CPU BLAS picks its
     kernel and reduction order by shape (MKL fp32: one for 2-3 columns, another for >= 4, edge tiles for odd
     counts). fp32: weight @ [x_a, x_b].T pairs (two columns also avoid torch's single-threaded matrix-vector
-    path); bf16: one call ROW_INVARIANT_ROWS columns wide padded with copies of the last row (oneDNN's bf16 product
-    costs the same for 2 or 16 columns)."""
+    path); bf16: calls TWIN_COLUMNS columns wide, the last padded with copies of the last row (oneDNN's bf16
+    product costs the same for 2 or 16 columns)."""
     rows = x.shape[0]
     if x.dtype == torch.bfloat16:
-        blocks = [torch.cat([x, x[-1:].expand(ROW_INVARIANT_ROWS - rows, -1)])]
+        blocks = [x[i:i + TWIN_COLUMNS] for i in range(0, rows, TWIN_COLUMNS)]
+        blocks[-1] = torch.cat([blocks[-1], x[-1:].expand(TWIN_COLUMNS - blocks[-1].shape[0], -1)])
     else:
         blocks = [torch.stack([x[i], x[min(i + 1, rows - 1)]]) for i in range(0, rows, 2)]
     return torch.cat([(weight @ b.T).T for b in blocks])[:rows]
@@ -118,31 +121,37 @@ def row_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def torch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """The attention contract on torch's SDPA: one call per query row, [1, Hq, 1, D] contiguous, its own mask
-    row -- exactly the decode step's call (CPU SDPA takes another kernel for several queries or strided ones)."""
-    gqa = q.shape[1] != k.shape[1]
-    rows = [q[:, :, r:r + 1].transpose(1, 2).contiguous().transpose(1, 2) for r in range(q.shape[2])]
-    out = torch.cat([F.scaled_dot_product_attention(qr, k, v, attn_mask=visible[r:r + 1], enable_gqa=gqa)
-                     for r, qr in enumerate(rows)], dim=2)
-    return out.transpose(1, 2)[0].contiguous()
+def torch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                           key_base: torch.Tensor) -> torch.Tensor:
+    """The attention contract on torch's SDPA: one call per query row, [1, Hq, 1, D] contiguous, its own mask row
+    and its sequence's keys gathered contiguous -- exactly the decode step's call (CPU SDPA takes another kernel for
+    several queries or strided ones)."""
+    b, hq, t, _ = q.shape
+    s = visible.shape[-1]
+    gqa = hq != k.shape[1]
+    keys = [(k[:, :, base:base + s].contiguous(), v[:, :, base:base + s].contiguous()) for base in key_base.tolist()]
+    out = [F.scaled_dot_product_attention(q[i:i + 1, :, r:r + 1].contiguous(), keys[i][0], keys[i][1],
+                                          attn_mask=visible[i, r:r + 1], enable_gqa=gqa)[0, :, 0]
+           for i in range(b) for r in range(t)]
+    return torch.stack(out)
 
 
-def decode_attention_impl(q, k, v, visible):
+def decode_attention_impl(q, k, v, visible, key_base):
     lib = kernel_library()
-    _, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], visible.shape[-1]
     if (lib is None or q.dtype not in (torch.float32, torch.bfloat16) or not q.dtype == k.dtype == v.dtype
             or d > MAX_HEAD_DIM or hq % hkv or any(x.stride(3) != 1 or x.stride(2) != d for x in (k, v))):
-        return torch_decode_attention(q, k, v, visible)
-    q_rows = q[0].transpose(0, 1).contiguous()  # [T, Hq, D]
-    visible = visible.to(torch.uint8).contiguous()
-    out = torch.empty(t, hq, d, dtype=q.dtype)
+        return torch_decode_attention(q, k, v, visible, key_base)
+    q_rows = q.transpose(1, 2).reshape(b * t, hq, d).contiguous()  # [b*T, Hq, D]
+    visible = visible.reshape(b * t, s).to(torch.uint8).contiguous()
+    row_base = key_base.long().repeat_interleave(t).contiguous()
+    out = torch.empty(b * t, hq, d, dtype=q.dtype)
     threads = torch.get_num_threads()
     scratch = torch.empty(threads, s, dtype=torch.float32)
-    lib.decode_attention(q_rows.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), visible.data_ptr(), t, hq,
-                         hkv, d, s, k.stride(1), v.stride(1), 1.0 / math.sqrt(d), int(q.dtype == torch.bfloat16),
-                         threads, scratch.data_ptr())
+    lib.decode_attention(q_rows.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), visible.data_ptr(),
+                         row_base.data_ptr(), b * t, hq, hkv, d, s, k.stride(1), v.stride(1), 1.0 / math.sqrt(d),
+                         int(q.dtype == torch.bfloat16), threads, scratch.data_ptr())
     return out
 
 
@@ -151,7 +160,7 @@ def decode_attention_impl(q, k, v, visible):
 _lib = torch.library.Library("nxdi_voxtral", "DEF")
 _lib.define("row_linear(Tensor x, Tensor weight) -> Tensor")
 _lib.impl("row_linear", row_linear_impl, "CPU")
-_lib.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor visible) -> Tensor")
+_lib.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor visible, Tensor key_base) -> Tensor")
 _lib.impl("decode_attention", decode_attention_impl, "CPU")
 
 
@@ -161,8 +170,8 @@ def _row_linear_fake(x, weight):
 
 
 @torch.library.register_fake("nxdi_voxtral::decode_attention")
-def _decode_attention_fake(q, k, v, visible):
-    return q.new_empty(q.shape[2], q.shape[1], q.shape[3])
+def _decode_attention_fake(q, k, v, visible, key_base):
+    return q.new_empty(q.shape[0] * q.shape[2], q.shape[1], q.shape[3])
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -170,7 +179,9 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.nxdi_voxtral.row_linear(x, weight)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q [1, Hq, T <= ROW_INVARIANT_ROWS, D]; k, v [1, Hkv, S, D] (rows contiguous, heads any stride); visible
-    [T, S] bool -> [T, Hq, D]. Grouped-query attention on CPU; row t's bits do not depend on the other rows."""
-    return torch.ops.nxdi_voxtral.decode_attention(q, k, v, visible)
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                     key_base: torch.Tensor) -> torch.Tensor:
+    """q [b, Hq, T, D]; k, v [1, Hkv, R, D] (rows contiguous, heads any stride); visible [b, T, S] bool; key_base
+    [b] int -> [b*T, Hq, D]. Grouped-query attention on CPU: sequence i's queries read key rows key_base[i] ..
+    key_base[i]+S-1 (its cache slot). A row's bits depend on neither the other rows nor S beyond what it sees."""
+    return torch.ops.nxdi_voxtral.decode_attention(q, k, v, visible, key_base)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, DraftMismatchError
-from .model import MLP, DecoderAttention, RMSNorm, apply_rope, attention, rope_at
+from .model import MLP, DecoderAttention, RMSNorm, apply_rope, attention, cache_rows, gather_keys, rope_rows, slot_rows
 from .config import TextConfig
 from .tp import SINGLE, Comm, Layout, layout
 
@@ -80,15 +80,15 @@ class DFlashAttention(DecoderAttention):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def keys_values(self, x, cos, sin):
-        t = x.shape[1]
-        k = self.k_norm(self.k_proj(x).view(1, t, self.n_kv, -1)).transpose(1, 2)
-        v = self.v_proj(x).view(1, t, self.n_kv, -1).transpose(1, 2)
+        b, t = x.shape[:2]
+        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, -1)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, -1).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, visible):
-        """Block rows x attend to [context cache ; the block itself], no causal mask."""
-        t = x.shape[1]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(1, t, self.n_heads, -1)).transpose(1, 2), cos, sin)
+        """Block rows x [b, B, H] attend to [context [b, n_kv, S, D] ; the block itself], no causal mask."""
+        b, t = x.shape[:2]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, t, self.n_heads, -1)).transpose(1, 2), cos, sin)
         k, v = self.keys_values(x, cos, sin)
         keys = torch.cat([k_ctx, k.to(k_ctx.dtype)], dim=2)
         values = torch.cat([v_ctx, v.to(v_ctx.dtype)], dim=2)
@@ -105,16 +105,19 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraft(nn.Module):
-    def __init__(self, cfg: DFlashConfig, max_len: int, comm: Comm = SINGLE):
+    """The cache holds context rows in slots, as the target's (model.LanguageModel): slot s owns rows
+    s*slot_len .. (s+1)*slot_len - 1."""
+
+    def __init__(self, cfg: DFlashConfig, max_len: int, comm: Comm = SINGLE, slots: int = 1):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.slot_len = cfg, max_len
         t = cfg.text
         self.layout = lay = layout(t, None, comm.size, 0)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * t.hidden_size, t.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(t, lay, comm) for _ in range(t.num_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
-        shape = (t.num_layers, 1, lay.kv_heads, max_len, t.head_dim)
+        shape = (t.num_layers, 1, lay.kv_heads, slots * max_len, t.head_dim)
         self.register_buffer("k_cache", torch.empty(shape), persistent=False)
         self.register_buffer("v_cache", torch.empty(shape), persistent=False)
         self.init_state(self.k_cache.device)
@@ -124,26 +127,33 @@ class DFlashDraft(nn.Module):
         self.v_cache = torch.zeros(self.v_cache.shape, dtype=dtype or self.v_cache.dtype, device=device)
 
     def rope(self, positions):
-        return rope_at(positions.long(), self.cfg.text.head_dim, self.cfg.text.rope_theta)
+        return rope_rows(positions, self.cfg.text.head_dim, self.cfg.text.rope_theta)
 
-    def write_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """features [1, R, n_ids*H] of target positions `positions` [R] -> context K/V of every layer, in place."""
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """features [b, R, n_ids*H] of target positions `positions` [b, R] of the sequences in `slots` [b] ->
+        context K/V of every layer, in place."""
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         cos, sin = self.rope(positions)
+        rows = slot_rows(slots, positions, self.slot_len)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(ctx, cos, sin)
             # select, not [i]: the in-place write must stay a view of the buffer for TorchNeuron (model.py)
-            self.k_cache.select(0, i).index_copy_(2, positions.long(), k.to(self.k_cache.dtype))
-            self.v_cache.select(0, i).index_copy_(2, positions.long(), v.to(self.v_cache.dtype))
+            self.k_cache.select(0, i).index_copy_(2, rows, cache_rows(k).to(self.k_cache.dtype))
+            self.v_cache.select(0, i).index_copy_(2, rows, cache_rows(v).to(self.v_cache.dtype))
 
-    def propose_hidden(self, block: torch.Tensor, positions: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
-        """block [1, B, H] embedded at positions [B]; ctx_mask [1, S] marks valid context slots -> norm(x) [1, B, H]."""
-        s, b = ctx_mask.shape[1], block.shape[1]
-        visible = torch.cat([(ctx_mask > 0).expand(b, s), torch.ones(b, b, dtype=torch.bool, device=block.device)], dim=1)
+    def propose_hidden(self, block: torch.Tensor, positions: torch.Tensor, ctx_mask: torch.Tensor,
+                       slots: torch.Tensor) -> torch.Tensor:
+        """block [b, B, H] embedded at positions [b, B]; ctx_mask [b, S] marks valid context rows of each sequence's
+        slot -> norm(x) [b, B, H]."""
+        (n, s), blk = ctx_mask.shape, block.shape[1]
+        visible = torch.cat([(ctx_mask[:, None, :] > 0).expand(n, blk, s),
+                             torch.ones(n, blk, blk, dtype=torch.bool, device=block.device)], dim=2)
         cos, sin = self.rope(positions)
+        key_base = slots.long() * self.slot_len
         x = block
         for i, layer in enumerate(self.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, self.k_cache[i, :, :, :s],
-                                    self.v_cache[i, :, :, :s], visible)
+            k_ctx = gather_keys(self.k_cache.select(0, i), key_base, s)
+            v_ctx = gather_keys(self.v_cache.select(0, i), key_base, s)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, k_ctx, v_ctx, visible)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)

@@ -56,7 +56,7 @@ def check_layer_draft(draft_dir: Path, target_dir: Path, draft: VoxtralConfig, t
                               f"{draft.text.num_layers} layers")
 
 
-def load_dflash(draft_dir: str | Path, target: VoxtralConfig, k: int, dtype: torch.dtype, max_len: int, tp: int = 1,
+def load_dflash(draft_dir: str | Path, target: VoxtralConfig, k: int, dtype: torch.dtype, buckets, tp: int = 1,
                 rank: int = 0, comm=None):
     cfg = DFlashConfig.from_dir(draft_dir)
     cfg.check_against(target.text, cfg.block_size - 1 if k is None else k)
@@ -65,7 +65,7 @@ def load_dflash(draft_dir: str | Path, target: VoxtralConfig, k: int, dtype: tor
         raise ConfigError(f"DFlash draft {draft_dir}: sliding-window layers are not supported")
     if raw.get("attention_bias"):
         raise ConfigError(f"DFlash draft {draft_dir}: attention_bias=true is not supported")
-    factory = lambda comm_: DFlashDraft(cfg, max_len, comm_)  # noqa: E731
+    factory = lambda comm_: DFlashDraft(cfg, buckets.kv_lengths[-1], comm_, buckets.max_batch)  # noqa: E731
     return cfg, build_and_load(factory, read_dflash_state_dict(draft_dir), dtype, str(draft_dir), tp, rank, comm)
 
 

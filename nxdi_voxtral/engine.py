@@ -7,13 +7,14 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_kernels
 from .checkpoint import build_and_load, convert_hf_to_neuron_state_dict, read_safetensors
 from .config import VoxtralConfig
 from .drafts import SHAREABLE, check_layer_draft, load_dflash, same_tensors, share_with_target
 from .errors import ConfigError
 from .contract import ContractViolation, check_graph_call
 from .export import Program, export_graph
-from .graphs import CACHE_OWNER, DRAFT_KINDS, Buckets, GraphSetup, build_graph, example_inputs, graph_plan
+from .graphs import CACHE_OWNER, DRAFT_KINDS, Buckets, GraphSetup, build_graph, example_inputs, graph_key, graph_plan
 from .model import VoxtralModel
 
 DEFAULT_K = {"layers": 4, "ngram": 3}
@@ -31,7 +32,7 @@ class Engine:
 
     def run(self, tag: str, bucket: int, *inputs):
         with torch.inference_mode():
-            return self.graphs[(tag, bucket)](*inputs)
+            return self.graphs[graph_key(tag, bucket, inputs)](*inputs)
 
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds (shared modules counted once)."""
@@ -57,13 +58,13 @@ class Engine:
         """The graph contract (docs/design.md §2) on one graph: no banned op / host sync / int64 at the boundary
         (contract.check_graph_call), and KV caches written in place (same storage, new contents) by exactly the
         graphs that own a cache."""
-        name = f"{spec.tag}[{spec.bucket}]"
+        name = spec.name
         g = torch.Generator().manual_seed(0)
         inputs = tuple(torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t
                        for t in example_inputs(spec, self.setup))
         self.clear_caches()  # any write of real K/V is then visible
         before = {k: (v.data_ptr(), v.clone()) for k, v in self.caches().items()}
-        check_graph_call(name, self.graphs[(spec.tag, spec.bucket)], inputs)
+        check_graph_call(name, self.graphs[spec.key], inputs)
         after = self.caches()
         if any(after[k].data_ptr() != ptr for k, (ptr, _) in before.items()):
             raise ContractViolation(f"{name}: a KV cache was replaced instead of updated in place")
@@ -78,20 +79,19 @@ class Engine:
         for spec in graph_plan(self.setup):
             t0 = time.perf_counter()
             self.check_contract(spec)
-            path = Path(out_dir) / f"{spec.tag}.{spec.bucket}.rank{self.rank}.pt2"
-            names = export_graph(f"{spec.tag}[{spec.bucket}]", self.graphs[(spec.tag, spec.bucket)],
-                                 example_inputs(spec, self.setup), path)
-            out.append(dict(tag=spec.tag, bucket=spec.bucket, file=path.name, state_names=names,
+            path = Path(out_dir) / f"{spec.stem}.rank{self.rank}.pt2"
+            names = export_graph(spec.name, self.graphs[spec.key], example_inputs(spec, self.setup), path)
+            out.append(dict(tag=spec.tag, bucket=spec.bucket, batch=spec.batch, file=path.name, state_names=names,
                             seconds=time.perf_counter() - t0))
             if self.rank == 0:
-                print(f"  {spec.tag:<24} {spec.bucket:>6}  {out[-1]['seconds']:6.2f} s", flush=True)
+                print(f"  {spec.tag:<24} {spec.bucket:>6} {spec.batch:>5}  {out[-1]['seconds']:6.2f} s", flush=True)
         self.clear_caches()  # the example inputs wrote into the KV caches
         return out
 
     def load_programs(self, art_dir: str, graphs: list[dict]) -> None:
         """Run the exported programs instead of the eager modules (same weights and caches)."""
         for g in graphs:
-            key = (g["tag"], g["bucket"])
+            key = (g["tag"], g["bucket"], g["batch"])
             path = Path(art_dir) / g["file"].replace("rank0", f"rank{self.rank}")
             self.graphs[key] = Program(path, self.graphs[key], g["state_names"])
 
@@ -109,7 +109,7 @@ class Engine:
 
 
 def load_voxtral(model_dir, sd: dict, cfg: VoxtralConfig, dtype, buckets: Buckets, tp=1, rank=0, comm=None):
-    factory = lambda comm_: VoxtralModel(cfg, buckets.kv_lengths[-1], comm_)  # noqa: E731
+    factory = lambda comm_: VoxtralModel(cfg, buckets.kv_lengths[-1], comm_, buckets.max_batch)  # noqa: E731
     return build_and_load(factory, sd, dtype, str(model_dir), tp, rank, comm)
 
 
@@ -148,7 +148,7 @@ def build_engine(model_dir, draft=None, draft_kind=None, k=None, dtype=torch.flo
         share_with_target(draft_model, model, shared)
         setup = GraphSetup(cfg, buckets, dtype, "layers", k, draft_own_audio="audio" not in shared)
     elif draft_kind == "dflash":
-        dcfg, draft_model = load_dflash(draft, cfg, k, dtype, buckets.kv_lengths[-1], tp, rank, comm)
+        dcfg, draft_model = load_dflash(draft, cfg, k, dtype, buckets, tp, rank, comm)
         k = dcfg.block_size - 1 if k is None else k
         setup = GraphSetup(cfg, buckets, dtype, "dflash", k, capture_layers=dcfg.target_layer_ids,
                            dflash_block=dcfg.block_size)
@@ -157,5 +157,9 @@ def build_engine(model_dir, draft=None, draft_kind=None, k=None, dtype=torch.flo
         setup = GraphSetup(cfg, buckets, dtype, "ngram", k)
     if draft_kind is not None and (not isinstance(k, int) or k < 1):
         raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
-    graphs = {(s.tag, s.bucket): build_graph(s, setup, model, draft_model) for s in graph_plan(setup)}
+    if cpu_kernels.CPU_OPS and setup.rows_per_call > cpu_kernels.ROW_INVARIANT_ROWS:
+        raise ConfigError(f"batch {buckets.max_batch} x {setup.rows_per_call // buckets.max_batch} rows per sequence "
+                          f"= {setup.rows_per_call} rows per call exceeds the {cpu_kernels.ROW_INVARIANT_ROWS} rows "
+                          f"the CPU kernels keep row-invariant; lower the largest batch bucket or K")
+    graphs = {s.key: build_graph(s, setup, model, draft_model) for s in graph_plan(setup)}
     return Engine(setup, model, draft_model, graphs, shared, rank)

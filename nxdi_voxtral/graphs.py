@@ -25,12 +25,23 @@ class Buckets:
     audio_chunks: tuple[int, ...] = (1, 2, 4, 10)            # 30 s chunks: up to 5 minutes
     kv_lengths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
     text_slack: int = 16  # prompt tokens that are not audio: [BOS][INST][BEGIN_AUDIO] ... [/INST] lang:xx [TRANSCRIBE]
+    batch_sizes: tuple[int, ...] = (1,)  # sequences per decode-side call; the largest is the number of KV slots
 
     def __post_init__(self):
-        if not self.audio_chunks or list(self.audio_chunks) != sorted(set(self.audio_chunks)):
-            raise ConfigError(f"audio_chunks buckets must be increasing and non-empty, got {self.audio_chunks}")
-        if not self.kv_lengths or list(self.kv_lengths) != sorted(set(self.kv_lengths)):
-            raise ConfigError(f"kv_lengths buckets must be increasing and non-empty, got {self.kv_lengths}")
+        for name in ("audio_chunks", "kv_lengths", "batch_sizes"):
+            sizes = getattr(self, name)
+            if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+                raise ConfigError(f"{name} buckets must be positive, increasing and non-empty, got {sizes}")
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_sizes[-1]
+
+    def batch_bucket(self, n: int) -> int:
+        for b in self.batch_sizes:
+            if b >= n:
+                return b
+        raise ConfigError(f"{n} sequences exceed the largest batch bucket ({self.max_batch})")
 
     def prompt_length(self, n_chunks: int, cfg: VoxtralConfig) -> int:
         return n_chunks * cfg.audio.tokens_per_chunk + self.text_slack
@@ -62,21 +73,29 @@ class Buckets:
 
     def to_dict(self) -> dict:
         return {"audio_chunks": list(self.audio_chunks), "kv_lengths": list(self.kv_lengths),
-                "text_slack": self.text_slack}
+                "text_slack": self.text_slack, "batch_sizes": list(self.batch_sizes)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Buckets":
-        return cls(tuple(d["audio_chunks"]), tuple(d["kv_lengths"]), d["text_slack"])
+        return cls(tuple(d["audio_chunks"]), tuple(d["kv_lengths"]), d["text_slack"], tuple(d["batch_sizes"]))
 
 
-BUCKET_KEYS = {"audio": "audio_chunks", "kv": "kv_lengths"}
+
+def batch_sizes_up_to(max_batch_size: int) -> tuple[int, ...]:
+    """Batch buckets 1, 2, 4, ... up to max_batch_size (included)."""
+    if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+        raise ConfigError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+    return tuple([1 << i for i in range(max_batch_size.bit_length()) if 1 << i < max_batch_size] + [max_batch_size])
+
+
+BUCKET_KEYS = {"audio": "audio_chunks", "kv": "kv_lengths", "batch": "batch_sizes"}
 
 
 def parse_buckets(text: str | None) -> Buckets:
     """'audio=1,2:kv=512,1024' (the CLI's --buckets) -> Buckets; a ConfigError names the part that is wrong."""
     if not text:
         return Buckets()
-    example = "expected e.g. audio=1,2,4:kv=512,1024"
+    example = "expected e.g. audio=1,2,4:kv=512,1024:batch=1,2,4,8"
     values = {}
     for part in text.split(":"):
         key, eq, vals = part.partition("=")
@@ -124,6 +143,11 @@ class GraphSetup:
         """KV slots a verify / draft block may write past the last emitted token."""
         return self.k + self.dflash_block
 
+    @property
+    def rows_per_call(self) -> int:
+        """The most rows a decode-side call computes: a verify or DFlash block of every sequence of a full batch."""
+        return self.buckets.max_batch * max(self.k + 1, self.dflash_block)
+
     def token_room(self, prompt_len: int) -> int:
         """New tokens that fit the largest KV bucket after a prompt of prompt_len tokens (the one capacity rule)."""
         return self.buckets.kv_lengths[-1] - prompt_len - self.lookahead
@@ -164,17 +188,41 @@ def kv_caches(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return m.k_cache, m.v_cache
 
 
+# Decode-side graphs: one per (KV bucket, batch bucket), every row a sequence in its own KV slot. Prefill-side graphs
+# run one sequence (batch 1) and write only its slot.
+BATCHED_TAGS = ("token_generation", "verify", "draft_fused_k", "dflash_draft")
+
+
 @dataclass(frozen=True)
 class GraphSpec:
     tag: str
     bucket: int
+    batch: int = 1
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.tag, self.bucket, self.batch)
+
+    @property
+    def name(self) -> str:
+        return f"{self.tag}[{self.bucket}" + (f", batch {self.batch}]" if self.batch > 1 else "]")
+
+    @property
+    def stem(self) -> str:
+        """File name stem of its per-rank artifacts."""
+        return f"{self.tag}.{self.bucket}" + (f".b{self.batch}" if self.batch > 1 else "")
+
+
+def graph_key(tag: str, bucket: int, inputs: tuple) -> tuple[str, int, int]:
+    """The graph a call goes to: decode-side graphs by their batch too, the rows of the first input."""
+    return (tag, bucket, inputs[0].shape[0] if tag in BATCHED_TAGS else 1)
 
 
 def graph_plan(setup: GraphSetup) -> list[GraphSpec]:
-    """Every (tag, bucket) the configuration needs, in compile order."""
+    """Every (tag, bucket, batch) the configuration needs, in compile order."""
     b = setup.buckets
     per_chunks = lambda tag: [GraphSpec(tag, n) for n in b.audio_chunks]  # noqa: E731
-    per_kv = lambda tag: [GraphSpec(tag, n) for n in b.kv_lengths]  # noqa: E731
+    per_kv = lambda tag: [GraphSpec(tag, n, m) for m in b.batch_sizes for n in b.kv_lengths]  # noqa: E731
     plan = per_chunks("audio_encoder") + per_chunks("context_encoding") + per_kv("token_generation")
     if setup.draft_kind in DRAFT_KINDS:
         plan += per_kv("verify")
@@ -186,32 +234,33 @@ def graph_plan(setup: GraphSetup) -> list[GraphSpec]:
 
 
 def example_inputs(spec: GraphSpec, setup: GraphSetup) -> tuple:
-    """One example tuple per (tag, bucket): the trace example and the routing key (shapes)."""
-    cfg, a, h, n = setup.cfg, setup.cfg.audio, setup.cfg.text.hidden_size, spec.bucket
+    """One example tuple per graph: the trace example and the routing key (shapes)."""
+    cfg, a, h, n, m = setup.cfg, setup.cfg.audio, setup.cfg.text.hidden_size, spec.bucket, spec.batch
     zeros_i = lambda *shape: torch.zeros(*shape, dtype=I32)  # noqa: E731
     mel = lambda: torch.zeros(n, a.num_mel_bins, a.mel_frames_per_chunk)  # noqa: E731
     if spec.tag == "audio_encoder":
         return (mel(),)
+    slot = zeros_i(m)
     if spec.tag in ("context_encoding", "draft_context_encoding", "dflash_context"):
         n_audio, p = n * a.tokens_per_chunk, setup.buckets.prompt_length(n, cfg)
         ids, positions = zeros_i(1, p), torch.full((n_audio,), p, dtype=I32)
         embeds = torch.zeros(n_audio, h, dtype=setup.dtype)
         if spec.tag == "context_encoding":
-            return (ids, embeds, positions, zeros_i(1))
+            return (ids, embeds, positions, zeros_i(1), slot)
         if spec.tag == "draft_context_encoding":
-            return (ids, mel() if setup.draft_own_audio else embeds, positions)
-        return (torch.zeros(1, p, setup.feature_dim, dtype=setup.dtype),)
-    mask = zeros_i(1, n)
+            return (ids, mel() if setup.draft_own_audio else embeds, positions, slot)
+        return (torch.zeros(1, p, setup.feature_dim, dtype=setup.dtype), slot)
+    mask = zeros_i(m, n)
     if spec.tag == "token_generation":
-        return (zeros_i(1, 1), zeros_i(1), mask)
+        return (zeros_i(m, 1), zeros_i(m), mask, slot)
     if spec.tag == "verify":
-        return (zeros_i(1, setup.k + 1), zeros_i(1, setup.k + 1), mask, zeros_i(1))
+        return (zeros_i(m, setup.k + 1), zeros_i(m, setup.k + 1), mask, zeros_i(m), slot)
     if spec.tag == "draft_fused_k":
-        return (zeros_i(1, 2), zeros_i(1, 2), mask)
+        return (zeros_i(m, 2), zeros_i(m, 2), mask, slot)
     if spec.tag == "dflash_draft":
         blk = setup.dflash_block
-        return (torch.zeros(1, blk, setup.feature_dim, dtype=setup.dtype), zeros_i(1, blk), zeros_i(1, 1),
-                zeros_i(1), mask)
+        return (torch.zeros(m, blk, setup.feature_dim, dtype=setup.dtype), zeros_i(m, blk), zeros_i(m, 1),
+                zeros_i(m), mask, slot)
     raise ConfigError(f"unknown graph tag {spec.tag!r}")
 
 
@@ -229,125 +278,124 @@ class AudioEncoderGraph(nn.Module):
 
 
 class ContextEncodingGraph(nn.Module):
-    """(input_ids [1, P], audio_embeds [A, H], audio_positions [A], last_index [1])
-    -> (first_token [1], [features [1, P, n_capture*H]])   writes KV for positions 0..P-1."""
+    """(input_ids [1, P], audio_embeds [A, H], audio_positions [A], last_index [1], slot [1])
+    -> (first_token [1], [features [1, P, n_capture*H]])   writes KV for positions 0..P-1 of its slot."""
 
     def __init__(self, model: VoxtralModel, capture_layers=()):
         super().__init__()
         self.model, self.capture_layers = model, tuple(capture_layers)
 
-    def forward(self, input_ids, audio_embeds, audio_positions, last_index):
+    def forward(self, input_ids, audio_embeds, audio_positions, last_index, slot):
         x = self.model.embed_with_audio(input_ids, audio_embeds, audio_positions)
         t, dev = x.shape[1], input_ids.device
-        h, captured = self.model.language_model(x, torch.arange(t, dtype=I32, device=dev), None,
+        h, captured = self.model.language_model(x, torch.arange(t, dtype=I32, device=dev)[None], slot, None,
                                                 causal_visible(t, dev), self.capture_layers)
         first = self.model.greedy(h.index_select(1, last_index.long()))[0]
         return (first, torch.cat(captured, dim=-1)) if captured else (first,)
 
 
 class DraftContextEncodingGraph(nn.Module):
-    """Layer-draft prefill: (input_ids [1, P], audio_embeds [A, H] or mel [n, n_mels, frames], audio_positions [A])
-    -> (rows_written [1],)   writes the draft's KV so its cache holds the audio context. (A graph needs at least
-    one output to be serialized; the row count is the cheapest honest one.)"""
+    """Layer-draft prefill: (input_ids [1, P], audio_embeds [A, H] or mel [n, n_mels, frames], audio_positions [A],
+    slot [1]) -> (rows_written [1],)   writes the draft's KV so its slot holds the audio context. (A graph needs at
+    least one output to be serialized; the row count is the cheapest honest one.)"""
 
     def __init__(self, draft: VoxtralModel, own_audio: bool):
         super().__init__()
         self.draft, self.own_audio = draft, own_audio
 
-    def forward(self, input_ids, audio, audio_positions):
+    def forward(self, input_ids, audio, audio_positions, slot):
         embeds = self.draft.encode_audio(audio) if self.own_audio else audio
         x = self.draft.embed_with_audio(input_ids, embeds, audio_positions)
         t, dev = x.shape[1], input_ids.device
-        self.draft.language_model(x, torch.arange(t, dtype=I32, device=dev), None, causal_visible(t, dev))
+        self.draft.language_model(x, torch.arange(t, dtype=I32, device=dev)[None], slot, None, causal_visible(t, dev))
         return (torch.full((1,), t, dtype=I32, device=dev),)
 
 
 class TokenGenerationGraph(nn.Module):
-    """(token [1, 1], position [1], cache_mask [1, S]) -> (next_token [1],)"""
+    """(tokens [b, 1], positions [b], cache_mask [b, S], slots [b]) -> (next_tokens [b],)   one step of b sequences."""
 
     def __init__(self, model: VoxtralModel, kv_len: int):
         super().__init__()
         self.model, self.kv_len = model, kv_len
 
-    def forward(self, token, position, cache_mask):
-        x = self.model.language_model.embed_tokens(token.long())
-        h, _ = self.model.language_model(x, position, self.kv_len, cached_visible(position, cache_mask))
-        return (self.model.greedy(h[0]),)
+    def forward(self, tokens, positions, cache_mask, slots):
+        x = self.model.language_model.embed_tokens(tokens.long())
+        pos = positions[:, None]
+        h, _ = self.model.language_model(x, pos, slots, self.kv_len, cached_visible(pos, cache_mask))
+        return (self.model.greedy(h[:, 0]),)
 
 
 class VerifyGraph(nn.Module):
-    """(candidates [1, K+1], positions [1, K+1], cache_mask [1, S], n_valid [1])
-    -> (target_tokens [1, K+1], accepted [1], bonus [1], [features [1, K+1, n_capture*H]])
-    One target pass over the last token and K proposals; greedy accept inside the graph."""
+    """(candidates [b, K+1], positions [b, K+1], cache_mask [b, S], n_valid [b], slots [b])
+    -> (target_tokens [b, K+1], accepted [b], bonus [b], [features [b, K+1, n_capture*H]])
+    One target pass over each sequence's last token and its proposals; greedy accept per sequence in the graph."""
 
     def __init__(self, model: VoxtralModel, kv_len: int, capture_layers=()):
         super().__init__()
         self.model, self.kv_len, self.capture_layers = model, kv_len, tuple(capture_layers)
 
-    def forward(self, candidates, positions, cache_mask, n_valid):
+    def forward(self, candidates, positions, cache_mask, n_valid, slots):
         lm = self.model.language_model
-        pos = positions[0]
-        h, captured = lm(lm.embed_tokens(candidates.long()), pos, self.kv_len, cached_visible(pos, cache_mask),
-                         self.capture_layers)
+        h, captured = lm(lm.embed_tokens(candidates.long()), positions, slots, self.kv_len,
+                         cached_visible(positions, cache_mask), self.capture_layers)
         target, accepted, bonus = ops.greedy_accept(candidates, self.model.greedy(h), n_valid)
         out = (target, accepted, bonus)
         return out + (torch.cat(captured, dim=-1),) if captured else out
 
 
 class DraftFusedKGraph(nn.Module):
-    """(tokens [1, 2] = previous and last accepted, positions [1, 2], cache_mask [1, S]) -> (proposals [1, K],)
-    K greedy steps of the layer draft unrolled in one call. The previous token is re-fed because its K/V are
-    missing from the draft cache when all K proposals of the last round were accepted."""
+    """(tokens [b, 2] = previous and last accepted, positions [b, 2], cache_mask [b, S], slots [b])
+    -> (proposals [b, K],)   K greedy steps of the layer draft unrolled in one call. The previous token is re-fed
+    because its K/V are missing from the draft cache when all K proposals of the last round were accepted."""
 
     def __init__(self, draft: VoxtralModel, kv_len: int, k: int):
         super().__init__()
         self.draft, self.kv_len, self.k = draft, kv_len, k
 
-    def forward(self, tokens, positions, cache_mask):
+    def forward(self, tokens, positions, cache_mask, slots):
         lm = self.draft.language_model
-        start = positions[0, 0]
-        pos = positions[0]
+        start, pos = positions[:, 0], positions
         x = lm.embed_tokens(tokens.long())
         proposals = []
         for _ in range(self.k):
-            h, _ = lm(x, pos, self.kv_len, cached_visible(pos, cache_mask, start))
+            h, _ = lm(x, pos, slots, self.kv_len, cached_visible(pos, cache_mask, start))
             nxt = self.draft.greedy(h[:, -1])
             proposals.append(nxt)
             x = lm.embed_tokens(nxt.long())[:, None]
-            pos = pos[-1:] + 1
+            pos = pos[:, -1:] + 1
         return (torch.stack(proposals, dim=1),)
 
 
 class DFlashContextGraph(nn.Module):
-    """(features [1, P, n_capture*H]) -> (rows_written [1],)   context K/V of prompt positions 0..P-1."""
+    """(features [1, P, n_capture*H], slot [1]) -> (rows_written [1],)   context K/V of prompt positions 0..P-1."""
 
     def __init__(self, dflash):
         super().__init__()
         self.dflash = dflash
 
-    def forward(self, features):
+    def forward(self, features, slot):
         p, dev = features.shape[1], features.device
-        self.dflash.write_context(features, torch.arange(p, dtype=I32, device=dev))
+        self.dflash.write_context(features, torch.arange(p, dtype=I32, device=dev)[None], slot)
         return (torch.full((1,), p, dtype=I32, device=dev),)
 
 
 class DFlashDraftGraph(nn.Module):
-    """(new_features [1, B, F], new_positions [1, B], anchor [1, 1], anchor_position [1], ctx_mask [1, S])
-    -> (proposals [1, K],)
-    Appends context K/V of newly accepted positions (padding rows go to not-yet-valid slots), then one pass
-    over the block [anchor, mask * (B-1)] at anchor_position.. proposes the tokens of slots 1..K."""
+    """(new_features [b, B, F], new_positions [b, B], anchors [b, 1], anchor_positions [b], ctx_mask [b, S],
+    slots [b]) -> (proposals [b, K],)
+    Appends context K/V of newly accepted positions (padding rows go to not-yet-valid rows), then one pass
+    over each block [anchor, mask * (B-1)] at anchor_position.. proposes the tokens of block rows 1..K."""
 
     def __init__(self, dflash, target: VoxtralModel, kv_len: int, k: int):
         super().__init__()
         self.dflash, self.target, self.kv_len, self.k = dflash, target, kv_len, k
 
-    def forward(self, new_features, new_positions, anchor, anchor_position, ctx_mask):
-        self.dflash.write_context(new_features, new_positions[0])
-        b = self.dflash.cfg.block_size
-        dev = anchor.device
-        mask_ids = torch.full((1, b - 1), self.dflash.cfg.mask_token_id, dtype=I32, device=dev)
-        block = self.target.language_model.embed_tokens(torch.cat([anchor, mask_ids], dim=1).long())
-        h = self.dflash.propose_hidden(block, anchor_position + torch.arange(b, dtype=I32, device=dev), ctx_mask)
+    def forward(self, new_features, new_positions, anchors, anchor_positions, ctx_mask, slots):
+        self.dflash.write_context(new_features, new_positions, slots)
+        n, blk, dev = anchors.shape[0], self.dflash.cfg.block_size, anchors.device
+        mask_ids = torch.full((n, blk - 1), self.dflash.cfg.mask_token_id, dtype=I32, device=dev)
+        block = self.target.language_model.embed_tokens(torch.cat([anchors, mask_ids], dim=1).long())
+        positions = anchor_positions[:, None] + torch.arange(blk, dtype=I32, device=dev)
+        h = self.dflash.propose_hidden(block, positions, ctx_mask, slots)
         return (self.target.greedy(h[:, 1:self.k + 1]),)
 
 

@@ -11,7 +11,7 @@ import torch
 from .checkpoint import sha256_file
 from .errors import ArtifactError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: decode-side graphs per batch bucket, every graph takes its rows' KV slots
 MANIFEST = "manifest.json"
 
 
@@ -80,7 +80,7 @@ def verify(art_dir: str | Path, deep: bool = True, exact: bool = False) -> dict:
         raise ArtifactError(f"{path}: corrupted (expected a JSON object, got {type(manifest).__name__})")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise ArtifactError(f"{path}: schema_version {manifest.get('schema_version')!r}, this nxdi_voxtral reads "
-                            f"{SCHEMA_VERSION}")
+                            f"{SCHEMA_VERSION}; rebuild it with this version (`python -m compile.build`)")
     listed = list(_check_entries(manifest.get("files"), "files", path))
     weights = manifest.get("weights", {})
     if not isinstance(weights, dict):

@@ -120,14 +120,54 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
 
 
+def rope_rows(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [b, 1, T, head_dim] for positions [b, T]: broadcast over the heads of [b, heads, T, head_dim]."""
+    b, t = positions.shape
+    cos, sin = rope_at(positions.reshape(-1), head_dim, theta)
+    return cos.view(b, 1, t, head_dim), sin.view(b, 1, t, head_dim)
+
+
+def cache_rows(x: torch.Tensor) -> torch.Tensor:
+    """[b, heads, T, D] -> [1, heads, b*T, D]: the rows of b sequences in the order `slot_rows` numbers them."""
+    b, h, t, d = x.shape
+    return x.transpose(0, 1).reshape(1, h, b * t, d)
+
+
+def slot_rows(slots: torch.Tensor, positions: torch.Tensor, slot_len: int) -> torch.Tensor:
+    """Cache rows [b*T] (int64) of positions [b, T] in the sequences' slots [b]: slot s owns rows s*slot_len.."""
+    return (slots.long()[:, None] * slot_len + positions.long()).reshape(-1)
+
+
+def gather_keys(store: torch.Tensor, key_base: torch.Tensor, s: int) -> torch.Tensor:
+    """store [1, H, R, D], key_base [b] -> [b, H, s, D]: rows key_base[i] .. key_base[i]+s-1 of each sequence."""
+    _, h, _, d = store.shape
+    b = key_base.shape[0]
+    idx = (key_base.long()[:, None] + torch.arange(s, device=store.device)).reshape(-1)
+    return store.index_select(2, idx).view(h, b, s, d).transpose(0, 1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q [1, Hq, T, D]; k, v [1, Hkv, S, D]; visible [T, S] bool -> [1, T, Hq*D]. GQA without repeating k/v.
-    Row-invariant on CPU up to ROW_INVARIANT_ROWS queries (as tp.linear), see cpu_kernels.decode_attention."""
-    _, hq, t, d = q.shape
-    if not use_cpu_ops(q, t):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=hq != k.shape[1])
-        return out.transpose(1, 2).reshape(1, t, hq * d)
-    return decode_attention(q, k, v, visible).reshape(1, t, hq * d)
+    """q [b, Hq, T, D]; k, v [b, Hkv, S, D] (each sequence's own keys); visible [b, T, S] bool -> [b, T, Hq*D].
+    GQA without repeating k/v. Row-invariant on CPU (see cpu_kernels.decode_attention)."""
+    b, hq, t, d = q.shape
+    if not use_cpu_ops(q, b * t):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=hq != k.shape[1])
+        return out.transpose(1, 2).reshape(b, t, hq * d)
+    s = k.shape[2]
+    key_base = torch.arange(b, device=q.device) * s
+    return decode_attention(q, cache_rows(k), cache_rows(v), visible, key_base).reshape(b, t, hq * d)
+
+
+def cached_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, key_base: torch.Tensor,
+                     visible: torch.Tensor) -> torch.Tensor:
+    """attention over each sequence's slot of the cache: q [b, Hq, T, D]; k_store, v_store [1, Hkv, R, D]; sequence
+    i reads rows key_base[i] .. key_base[i]+S-1 (S = visible's last dim). On CPU the kernel reads the slot in place;
+    elsewhere the slots are gathered first (a copy of b x S rows, small beside the weights a step streams)."""
+    b, hq, t, d = q.shape
+    s = visible.shape[-1]
+    if not use_cpu_ops(q, b * t):
+        return attention(q, gather_keys(k_store, key_base, s), gather_keys(v_store, key_base, s), visible)
+    return decode_attention(q, k_store, v_store, visible, key_base).reshape(b, t, hq * d)
 
 
 class DecoderAttention(nn.Module):
@@ -139,21 +179,22 @@ class DecoderAttention(nn.Module):
         self.v_proj = comm.kv_column(cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim)
         self.o_proj = comm.row(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, write_pos, k_cache, v_cache, key_len, visible):
-        """Writes this call's K/V into the caches at `write_pos` (in place), then attends.
+    def forward(self, x, cos, sin, rows, k_cache, v_cache, key_base, visible):
+        """Writes this call's K/V into the cache rows `rows` [b*T] (in place), then attends.
 
-        key_len is None: attend only to this call's own K/V (prefill from position 0);
-        else attend to cache[:key_len] (the KV bucket), which already holds this call's K/V.
+        key_base is None: attend only to this call's own K/V (prefill from position 0);
+        else sequence i attends to cache rows key_base[i].. (its slot, the KV bucket long), which already hold
+        this call's K/V.
         """
-        t = x.shape[1]
-        q = apply_rope(self.q_proj(x).view(1, t, self.n_heads, -1).transpose(1, 2), cos, sin)
-        k = apply_rope(self.k_proj(x).view(1, t, self.n_kv, -1).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(1, t, self.n_kv, -1).transpose(1, 2)
-        k_cache.index_copy_(2, write_pos, k.to(k_cache.dtype))
-        v_cache.index_copy_(2, write_pos, v.to(v_cache.dtype))
-        if key_len is not None:
-            k, v = k_cache[:, :, :key_len], v_cache[:, :, :key_len]
-        return self.o_proj(attention(q, k, v, visible))
+        b, t = x.shape[:2]
+        q = apply_rope(self.q_proj(x).view(b, t, self.n_heads, -1).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_proj(x).view(b, t, self.n_kv, -1).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(b, t, self.n_kv, -1).transpose(1, 2)
+        k_cache.index_copy_(2, rows, cache_rows(k).to(k_cache.dtype))
+        v_cache.index_copy_(2, rows, cache_rows(v).to(v_cache.dtype))
+        if key_base is None:
+            return self.o_proj(attention(q, k, v, visible))
+        return self.o_proj(cached_attention(q, k_cache, v_cache, key_base, visible))
 
 
 class MLP(nn.Module):
@@ -175,21 +216,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, write_pos, k_cache, v_cache, key_len, visible):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, write_pos, k_cache, v_cache, key_len, visible)
+    def forward(self, x, cos, sin, rows, k_cache, v_cache, key_base, visible):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rows, k_cache, v_cache, key_base, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LanguageModel(nn.Module):
-    """Llama decoder body. The KV cache is a pair of buffers [layers, 1, n_kv, max_len, head_dim] updated by index."""
+    """Llama decoder body. The KV cache is a pair of buffers [layers, 1, n_kv, slots * slot_len, head_dim] updated by
+    index: slot s (one sequence of a batch) owns rows s*slot_len .. (s+1)*slot_len - 1. Slots along the row
+    dimension, not a dimension of their own, so that a write is one index_copy_ whatever the batch."""
 
-    def __init__(self, cfg: TextConfig, max_len: int, lay: Layout, comm: Comm = SINGLE):
+    def __init__(self, cfg: TextConfig, max_len: int, lay: Layout, comm: Comm = SINGLE, slots: int = 1):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.slot_len, self.slots = cfg, max_len, slots
         self.embed_tokens = comm.vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, lay, comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        shape = (cfg.num_layers, 1, lay.kv_heads, max_len, cfg.head_dim)
+        shape = (cfg.num_layers, 1, lay.kv_heads, slots * max_len, cfg.head_dim)
         self.register_buffer("k_cache", torch.empty(shape), persistent=False)
         self.register_buffer("v_cache", torch.empty(shape), persistent=False)
         self.init_state(self.k_cache.device)
@@ -199,55 +242,54 @@ class LanguageModel(nn.Module):
         self.k_cache = torch.zeros(self.k_cache.shape, dtype=dtype or self.k_cache.dtype, device=device)
         self.v_cache = torch.zeros(self.v_cache.shape, dtype=dtype or self.v_cache.dtype, device=device)
 
-    @property
-    def max_len(self) -> int:
-        return self.k_cache.shape[3]
-
-    def forward(self, x, positions, key_len, visible, capture_layers=()):
-        """x [1, T, H] embeddings at `positions` [T] (int) -> (final-normed hidden [1, T, H], captured outputs).
+    def forward(self, x, positions, slots, key_len, visible, capture_layers=()):
+        """x [b, T, H] embeddings at `positions` [b, T] (int) of the sequences in cache slots `slots` [b] ->
+        (final-normed hidden [b, T, H], captured outputs). key_len None: prefill (attend to this call's own K/V);
+        else each sequence attends to the first key_len rows of its slot. visible [b, T, key_len or T] bool.
 
         captured = outputs of the decoder layers listed in capture_layers (DFlash context features).
         """
-        pos = positions.long()
-        cos, sin = rope_at(pos, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_rows(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        rows = slot_rows(slots, positions, self.slot_len)
+        key_base = None if key_len is None else slots.long() * self.slot_len
         captured = []
         for i, layer in enumerate(self.layers):
             # select, not [i]: TorchNeuron's aliasing analysis follows select as a view of the cache buffer (an
             # integer index it does not), so the cache write becomes an in-place must_alias pair, not a copy-back
-            x = layer(x, cos, sin, pos, self.k_cache.select(0, i), self.v_cache.select(0, i), key_len, visible)
+            x = layer(x, cos, sin, rows, self.k_cache.select(0, i), self.v_cache.select(0, i), key_base, visible)
             if i in capture_layers:
                 captured.append(x)
         return self.norm(x), captured
 
 
 def causal_visible(t: int, device) -> torch.Tensor:
-    return torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    """[1, t, t]: a prefill of t tokens (one sequence)."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()[None]
 
 
 def cached_visible(positions: torch.Tensor, cache_mask: torch.Tensor, start=None) -> torch.Tensor:
-    """Which cache slots each new token may read. positions [T] are consecutive; cache_mask [1, S] (int, 1 = a
-    valid slot written before this call). New tokens also see the slots this call wrote from `start` (default:
-    the first position) up to themselves. Slots past the valid length (rejected speculation, padding) are
-    never visible."""
-    slots = torch.arange(cache_mask.shape[1], device=positions.device)
-    pos = positions.long()
-    first = pos[0] if start is None else start.long()
-    in_block = (slots[None, :] >= first) & (slots[None, :] <= pos[:, None])
-    return (cache_mask > 0) | in_block
+    """Which rows of its slot each new token may read -> [b, T, S] bool. positions [b, T] are consecutive per
+    sequence; cache_mask [b, S] (int, 1 = a valid row written before this call). New tokens also see the rows this
+    call wrote from `start` [b] (default: each sequence's first position) up to themselves. Rows past the valid
+    length (rejected speculation, padding) are never visible."""
+    rows = torch.arange(cache_mask.shape[1], device=positions.device)[None, None, :]
+    pos = positions.long()[:, :, None]
+    first = pos[:, :1] if start is None else start.long()[:, None, None]
+    return (cache_mask[:, None, :] > 0) | ((rows >= first) & (rows <= pos))
 
 
 class VoxtralModel(nn.Module):
     """comm: the tensor-parallel group (tp.py); the default is the whole model on one rank. The structure is the
     same on every rank (SPMD): which shard a rank holds is in its weights, including its SPMDRank."""
 
-    def __init__(self, cfg: VoxtralConfig, max_len: int, comm: Comm = SINGLE):
+    def __init__(self, cfg: VoxtralConfig, max_len: int, comm: Comm = SINGLE, slots: int = 1):
         super().__init__()
         self.cfg, self.comm = cfg, comm
         self.layout = lay = layout(cfg.text, cfg.audio, comm.size, 0)
         audio_comm = comm if lay.audio_sharded else SINGLE  # replicated: no reductions
         self.audio_tower = AudioEncoder(cfg.audio, audio_comm)
         self.multi_modal_projector = Projector(cfg.audio.intermediate_size, cfg.text.hidden_size, audio_comm)
-        self.language_model = LanguageModel(cfg.text, max_len, lay, comm)
+        self.language_model = LanguageModel(cfg.text, max_len, lay, comm, slots)
         self.lm_head = comm.vocab_head(cfg.text.hidden_size, cfg.text.vocab_size)
         self.spmd_rank = comm.spmd_rank()
 

@@ -134,14 +134,14 @@ def build_models(plan: "NeuronPlan", comm: Comm) -> Models:
     from .drafts import share_with_target
     from .model import VoxtralModel
     s = plan.setup
-    max_len = s.buckets.kv_lengths[-1]
-    target = VoxtralModel(s.cfg, max_len, comm)
+    max_len, slots = s.buckets.kv_lengths[-1], s.buckets.max_batch
+    target = VoxtralModel(s.cfg, max_len, comm, slots)
     draft = None
     if s.draft_kind == "layers":
-        draft = VoxtralModel(plan.draft_cfg, max_len, comm)
+        draft = VoxtralModel(plan.draft_cfg, max_len, comm, slots)
         share_with_target(draft, target, plan.draft_shared)
     elif s.draft_kind == "dflash":
-        draft = DFlashDraft(plan.draft_cfg, max_len, comm)
+        draft = DFlashDraft(plan.draft_cfg, max_len, comm, slots)
     return Models(target, draft).to(s.dtype).eval()  # caches included: built zeroed, cast with the weights
 
 
@@ -205,7 +205,7 @@ def make_builder(plan: NeuronPlan, tp: int, workdir: Path, progress=print):
             models = self.module
             graph = build_graph(spec, plan.setup, models.target, models.draft)
             wrapped = StatefulGraph(models, graph, CACHE_OWNER[spec.tag])
-            progress(f"  tracing {spec.tag:<24} {spec.bucket:>6}")
+            progress(f"  tracing {spec.tag:<24} {spec.bucket:>6} {spec.batch:>5}")
             return wrapped, {c: i for i, c in enumerate(wrapped.caches())}
 
     builder = ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=lambda: plan.checkpoint(tp),
@@ -233,7 +233,8 @@ def compile_neuron(engine, model_dir, draft_dir, out: Path, tp: int, progress=pr
     torch.jit.save(traced, str(out / "model.pt"))
     progress(f"traced and compiled in {time.perf_counter() - t0:.1f} s")
     from .graphs import graph_plan
-    return [dict(tag=s.tag, bucket=s.bucket, compiler_args=compiler_args(s.tag)) for s in graph_plan(plan.setup)]
+    return [dict(tag=s.tag, bucket=s.bucket, batch=s.batch, compiler_args=compiler_args(s.tag))
+            for s in graph_plan(plan.setup)]
 
 
 class NeuronRanks:

@@ -73,21 +73,29 @@ def _check_rate(sr, what: str) -> None:
                          f"(a broken header, or not audio this model can use)")
 
 
-def _check_duration(frames: int, sr: int, max_seconds: float | None, what: str, source: str) -> None:
+def bucket_limit(max_seconds: float) -> str:
+    """Why audio over max_seconds is refused when it must fit one prompt: the largest audio bucket."""
+    return (f"the largest audio bucket holds {max_seconds / CHUNK_SECONDS:g} ({max_seconds:g} s); rebuild with a "
+            f"larger audio_chunks bucket")
+
+
+def _check_duration(frames: int, sr: int, max_seconds: float | None, what: str, source: str, limit=bucket_limit):
     if max_seconds is not None and frames / sr > max_seconds:
-        raise AudioTooLongError(f"{what}: {frames / sr:.1f} s of audio ({source}) is too long: the largest audio "
-                                f"bucket holds {max_seconds / CHUNK_SECONDS:g} ({max_seconds:g} s); rebuild with a "
-                                f"larger audio_chunks bucket")
+        raise AudioTooLongError(f"{what}: {frames / sr:.1f} s of audio ({source}) is too long: {limit(max_seconds)}")
 
 
-def _read_file(path: Path, sampling_rate, max_seconds, strict: bool) -> tuple[np.ndarray, int]:
-    what = str(path)
+def check_file(path: Path, what: str) -> None:
     if not path.exists():
         raise AudioError(f"{what}: no such audio file")
     if path.is_dir():
         raise AudioError(f"{what}: is a directory, not an audio file")
     if not os.access(path, os.R_OK):
         raise AudioError(f"{what}: permission denied (the file is not readable by this user)")
+
+
+def _read_file(path: Path, sampling_rate, max_seconds, strict: bool) -> tuple[np.ndarray, int]:
+    what = str(path)
+    check_file(path, what)
     return _decode(lambda: what, what, sampling_rate, max_seconds, strict)
 
 
@@ -102,14 +110,13 @@ def audio_header(open_source, what: str) -> tuple[int, int, str]:
     return info.frames, info.samplerate, info.extra_info or ""
 
 
-def _decode(open_source, what: str, sampling_rate, max_seconds, strict: bool) -> tuple[np.ndarray, int]:
-    """Duration, rate and integrity from the header first; then decode block by block, mixing down as it goes,
-    so memory is one mono copy however many channels the file has, and an over-long file is refused before a
-    sample is decoded (a header that under-reports the length is caught while decoding)."""
+def check_header(open_source, what: str, sampling_rate, max_seconds, strict: bool, limit=bucket_limit) -> int:
+    """What the header tells before any decoding: the rate (against sampling_rate), the duration (against
+    max_seconds) and a truncated data chunk (AudioWarning, or AudioError when strict) -> the file's sample rate."""
     frames, sr, notes = audio_header(open_source, what)
     if sampling_rate is not None and sampling_rate != sr:
         raise AudioError(f"{what}: file is {sr} Hz but sampling_rate={sampling_rate} was given")
-    _check_duration(frames, sr, max_seconds, what, "from the file header")
+    _check_duration(frames, sr, max_seconds, what, "from the file header", limit)
     short = _TRUNCATED.search(notes)
     if short:
         msg = (f"{what}: truncated file: the header announces {short.group(1)} bytes of audio data, "
@@ -117,20 +124,48 @@ def _decode(open_source, what: str, sampling_rate, max_seconds, strict: bool) ->
         if strict:
             raise AudioError(msg)
         warnings.warn(msg + "; transcribing the part present", AudioWarning, stacklevel=4)
+    return sr
+
+
+BLOCK_FRAMES = 1 << 16  # frames per decoded block
+
+
+def decoded_blocks(open_source, what: str, sr: int, max_seconds: float | None, limit=bucket_limit):
+    """The file decoded block by block, each mixed down to mono as it comes (memory: one mono block however many
+    channels), checking what the header could not: finite samples, a non-empty file, and a length the header
+    under-reported."""
     max_frames = None if max_seconds is None else int(max_seconds * sr) + 1
-    parts, total = [], 0
+    total = 0
     try:
-        with sf.SoundFile(open_source()) as f:
-            for block in f.blocks(blocksize=1 << 16, dtype="float32", always_2d=True):
-                parts.append(block[:, 0].copy() if block.shape[1] == 1 else block.mean(axis=1, dtype=np.float32))
-                total += len(parts[-1])
-                if max_frames is not None and total > max_frames:  # a header that under-reports the length
-                    _check_duration(total, sr, max_seconds, what, "while decoding")
-    except AudioError:
-        raise
+        f = sf.SoundFile(open_source())
     except Exception as e:
         raise AudioError(f"{what}: cannot decode as audio ({type(e).__name__}: {e})") from None
-    return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), sr
+    with f:
+        decoded = f.blocks(blocksize=BLOCK_FRAMES, dtype="float32", always_2d=True)
+        while True:
+            # only the decoder's own failures become AudioError, not what a consumer throws in at the yield
+            try:
+                block = next(decoded, None)
+            except Exception as e:
+                raise AudioError(f"{what}: cannot decode as audio ({type(e).__name__}: {e})") from None
+            if block is None:
+                break
+            mono = block[:, 0].copy() if block.shape[1] == 1 else block.mean(axis=1, dtype=np.float32)
+            if not np.isfinite(mono).all():
+                raise AudioError(f"{what}: audio contains NaN or infinite samples")
+            total += len(mono)
+            if max_frames is not None and total > max_frames:
+                _check_duration(total, sr, max_seconds, what, "while decoding", limit)
+            yield mono
+    if total == 0:
+        raise AudioError(f"{what}: audio is empty (0 samples)")
+
+
+def _decode(open_source, what: str, sampling_rate, max_seconds, strict: bool) -> tuple[np.ndarray, int]:
+    """Duration, rate and integrity from the header first; then decode block by block, so that an over-long file is
+    refused before a sample is decoded (a header that under-reports the length is caught while decoding)."""
+    sr = check_header(open_source, what, sampling_rate, max_seconds, strict)
+    return np.concatenate(list(decoded_blocks(open_source, what, sr, max_seconds))), sr
 
 
 def _array_samples(audio, sampling_rate) -> np.ndarray:
@@ -148,6 +183,23 @@ def _array_samples(audio, sampling_rate) -> np.ndarray:
                              f"int16 / int32 PCM")
         return (samples.astype(np.float64) / INT_PCM_SCALE[samples.dtype]).astype(np.float32)  # PCM full scale
     return samples.astype(np.float32, copy=False)
+
+
+def array_mono(audio, sampling_rate, max_seconds: float | None, limit=bucket_limit) -> np.ndarray:
+    """An audio array (numpy or torch, float or integer PCM, mono or a few channels) -> mono float32 at its own
+    rate, checked: a plausible rate, not longer than max_seconds, not empty, finite."""
+    what = "audio array"
+    samples = _array_samples(audio, sampling_rate)
+    _check_rate(sampling_rate, what)
+    if samples.size:
+        samples = _to_mono(samples, what)
+        _check_duration(len(samples), sampling_rate, max_seconds, what, f"{len(samples)} samples at "
+                        f"{sampling_rate} Hz", limit)
+    if samples.size == 0:
+        raise AudioError(f"{what}: audio is empty (0 samples)")
+    if not np.isfinite(samples).all():
+        raise AudioError(f"{what}: audio contains NaN or infinite samples")
+    return samples
 
 
 def load_audio(audio, sampling_rate: int | None = None, max_seconds: float | None = None,
@@ -168,15 +220,7 @@ def load_audio(audio, sampling_rate: int | None = None, max_seconds: float | Non
         samples, sr = _decode(lambda: io.BytesIO(audio), what, sampling_rate, max_seconds, strict)
     else:
         what, sr = "audio array", sampling_rate
-        samples = _array_samples(audio, sampling_rate)
-        _check_rate(sr, what)
-        if samples.size:
-            samples = _to_mono(samples, what)
-            _check_duration(len(samples), sr, max_seconds, what, f"{len(samples)} samples at {sr} Hz")
-    if samples.size == 0:
-        raise AudioError(f"{what}: audio is empty (0 samples)")
-    if not np.isfinite(samples).all():
-        raise AudioError(f"{what}: audio contains NaN or infinite samples")
+        samples = array_mono(audio, sampling_rate, max_seconds)
     if sr != SAMPLE_RATE:
         import soxr
         samples = soxr.resample(samples, sr, SAMPLE_RATE, quality="HQ").astype(np.float32)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generate import I32, cache_mask
+from .generate import I32, Sequence, batch_slots, cache_masks, padded
 
 
 @dataclass
@@ -26,6 +26,18 @@ class SpecStats:
         self.verify_calls += bool(proposal)
         self.steps.append((list(proposal), accepted, emitted))
 
+    @classmethod
+    def merged(cls, parts: list["SpecStats"]) -> "SpecStats":
+        """The statistics of several sequences (the windows of one long file) as one."""
+        out = cls(parts[0].draft_kind, parts[0].k, target_passes=0)
+        for p in parts:
+            out.target_passes += p.target_passes
+            out.draft_passes += p.draft_passes
+            out.verify_calls += p.verify_calls
+            out.generated += p.generated
+            out.steps += p.steps
+        return out
+
     @property
     def tau(self) -> float:
         verified = [e for p, _, e in self.steps if p]
@@ -43,57 +55,68 @@ class SpecStats:
 
 
 class LayerDrafter:
-    """The pruned-layer draft: its own prefill with the audio context, then K unrolled steps per call."""
+    """The pruned-layer draft: its own prefill with the audio context into the sequence's slot, then K unrolled
+    steps of every sequence per call."""
 
-    def __init__(self, run, buckets, k: int, stats: SpecStats, prompt_last_token: int):
-        self.run, self.buckets, self.k, self.stats = run, buckets, k, stats
-        self.prompt_last_token = prompt_last_token
+    def __init__(self, run, buckets, k: int):
+        self.run, self.buckets, self.k = run, buckets, k
 
-    def prefill(self, n_chunks_bucket, ids, audio, audio_positions) -> None:
-        self.run("draft_context_encoding", n_chunks_bucket, ids, audio, audio_positions)
-        self.stats.draft_passes += 1
+    def prefill(self, seq: Sequence, n_chunks_bucket, ids, audio, audio_positions) -> None:
+        self.run("draft_context_encoding", n_chunks_bucket, ids, audio, audio_positions,
+                 torch.tensor([seq.slot], dtype=I32))
+        seq.stats.draft_passes += 1
 
-    def propose(self, tokens: list[int], position: int) -> list[int]:
-        prev = tokens[-2] if len(tokens) > 1 else self.prompt_last_token
-        bucket = self.buckets.kv_bucket(position + self.k)
-        (proposals,) = self.run("draft_fused_k", bucket, torch.tensor([[prev, tokens[-1]]], dtype=I32),
-                                torch.tensor([[position - 1, position]], dtype=I32), cache_mask(bucket, position - 1))
-        self.stats.draft_passes += 1
-        return proposals[0].tolist()
+    def propose(self, seqs: list[Sequence], free_slots: list[int]) -> list[list[int]]:
+        slots = batch_slots(seqs, self.buckets, free_slots)
+        b, last = len(slots), [s.position for s in seqs]
+        bucket = self.buckets.kv_bucket(max(last) + self.k)
+        (proposals,) = self.run(
+            "draft_fused_k", bucket, torch.tensor(padded([[s.prev_token, s.tokens[-1]] for s in seqs], b, [0, 0]),
+                                                  dtype=I32),
+            torch.tensor(padded([[p - 1, p] for p in last], b, [0, 1]), dtype=I32),
+            cache_masks(bucket, padded([p - 1 for p in last], b, 0)), slots)
+        for s in seqs:
+            s.stats.draft_passes += 1
+        return proposals[:len(seqs)].tolist()
 
-    def accepted(self, a: int, features, position: int) -> None:
+    def accepted(self, seq: Sequence, a: int, features) -> None:
         pass  # accepted proposals' K/V are already in the draft cache; the rest is re-fed next call
 
 
 class DFlashDrafter:
-    """One block pass proposes block_size-1 tokens from target features of accepted positions."""
+    """One block pass per sequence proposes block_size-1 tokens from target features of accepted positions."""
 
-    def __init__(self, run, buckets, k: int, block_size: int, feature_dim: int, dtype, stats: SpecStats):
-        self.run, self.buckets, self.k, self.block, self.stats = run, buckets, k, block_size, stats
+    def __init__(self, run, buckets, k: int, block_size: int, feature_dim: int, dtype):
+        self.run, self.buckets, self.k, self.block = run, buckets, k, block_size
         self.feature_dim, self.dtype = feature_dim, dtype
-        self.pending = None  # target features [r, F] of positions (position - r .. position - 1)
 
-    def prefill(self, n_chunks_bucket, prompt_features: torch.Tensor) -> None:
-        self.run("dflash_context", n_chunks_bucket, prompt_features)
-        self.stats.draft_passes += 1
+    def prefill(self, seq: Sequence, n_chunks_bucket, prompt_features: torch.Tensor) -> None:
+        self.run("dflash_context", n_chunks_bucket, prompt_features, torch.tensor([seq.slot], dtype=I32))
+        seq.stats.draft_passes += 1
 
-    def propose(self, tokens: list[int], position: int) -> list[int]:
-        feats = self.pending
-        r = 0 if feats is None else feats.shape[0]
-        new = torch.zeros(1, self.block, self.feature_dim, dtype=self.dtype)
-        if r:
-            new[0, :r] = feats
-        # padding rows go to slots >= position: not valid context yet, overwritten once accepted
-        positions = (position - r + torch.arange(self.block, dtype=I32))[None]
-        bucket = self.buckets.kv_bucket(position + self.block)
-        (proposals,) = self.run("dflash_draft", bucket, new, positions, torch.tensor([[tokens[-1]]], dtype=I32),
-                                torch.tensor([position], dtype=I32), cache_mask(bucket, position))
-        self.stats.draft_passes += 1
-        self.pending = None
-        return proposals[0].tolist()
+    def propose(self, seqs: list[Sequence], free_slots: list[int]) -> list[list[int]]:
+        slots = batch_slots(seqs, self.buckets, free_slots)
+        b, last = len(slots), [s.position for s in seqs]
+        new = torch.zeros(b, self.block, self.feature_dim, dtype=self.dtype)
+        first = []  # the first new context row of each sequence: its pending rows end just before its position
+        for i, s in enumerate(seqs):
+            r = 0 if s.pending is None else s.pending.shape[0]
+            if r:
+                new[i, :r] = s.pending
+            first.append(s.position - r)
+            s.pending = None
+            s.stats.draft_passes += 1
+        # padding rows go to rows >= position: not valid context yet, overwritten once accepted
+        positions = torch.tensor(padded(first, b, 0), dtype=I32)[:, None] + torch.arange(self.block, dtype=I32)
+        bucket = self.buckets.kv_bucket(max(last) + self.block)
+        (proposals,) = self.run("dflash_draft", bucket, new, positions,
+                                torch.tensor(padded([[s.tokens[-1]] for s in seqs], b, [0]), dtype=I32),
+                                torch.tensor(padded(last, b, 0), dtype=I32), cache_masks(bucket, padded(last, b, 0)),
+                                slots)
+        return proposals[:len(seqs)].tolist()
 
-    def accepted(self, a: int, features, position: int) -> None:
-        self.pending = features[0][0, : a + 1]
+    def accepted(self, seq: Sequence, a: int, features) -> None:
+        seq.pending = features[: a + 1]
 
 
 def ngram_propose(history: list[int], k: int, max_n: int = 3) -> list[int]:
@@ -107,11 +130,13 @@ def ngram_propose(history: list[int], k: int, max_n: int = 3) -> list[int]:
 
 
 class NgramDrafter:
+    """Prompt lookup on the host, per sequence over its own emitted tokens."""
+
     def __init__(self, k: int, max_n: int = 3):
         self.k, self.max_n = k, max_n
 
-    def propose(self, tokens: list[int], position: int) -> list[int]:
-        return ngram_propose(tokens, self.k, self.max_n)
+    def propose(self, seqs: list[Sequence], free_slots: list[int]) -> list[list[int]]:
+        return [ngram_propose(s.tokens, self.k, self.max_n) for s in seqs]
 
-    def accepted(self, a: int, features, position: int) -> None:
+    def accepted(self, seq: Sequence, a: int, features) -> None:
         pass

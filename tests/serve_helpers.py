@@ -35,6 +35,18 @@ def noise(seconds: float, seed: int = 0, sr: int = 16000) -> np.ndarray:
     return (np.random.RandomState(seed).randn(int(seconds * sr)) * 0.1).astype(np.float32)
 
 
+def speech_like(seconds: float, seed: int = 0, sr: int = 16000) -> np.ndarray:
+    """Bursts of noisy tones ("words", 0.2-0.8 s) separated by silent gaps (0.15-0.6 s): long audio has quiet points
+    to cut its windows at."""
+    rng = np.random.default_rng(seed)
+    out, n = [], int(seconds * sr)
+    while sum(len(x) for x in out) < n:
+        t = np.arange(int(rng.uniform(0.2, 0.8) * sr)) / sr
+        word = 0.3 * np.sin(2 * np.pi * rng.uniform(150, 900) * t) + 0.05 * rng.standard_normal(len(t))
+        out += [word.astype(np.float32), np.zeros(int(rng.uniform(0.15, 0.6) * sr), np.float32)]
+    return np.concatenate(out)[:n]
+
+
 class Server:
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
         self.port = free_port()

@@ -50,7 +50,7 @@ def test_round_trip_build_pack_deploy_load(spec_dirs, built, tmp_path):
     assert {(g["tag"], g["bucket"]) for g in manifest["graphs"]} >= {("verify", 512), ("draft_fused_k", 512)}
     with NxDVoxtralSpecDec.from_artifacts(tmp_path / "fleet" / "current") as m:
         assert m.generate(p.input_ids, p.input_features, max_new_tokens=30)[0].tolist() == ref
-        assert type(m.engine.graphs[("verify", 512)]).__name__ == "Program"  # the exported programs run
+        assert type(m.engine.graphs[("verify", 512, 1)]).__name__ == "Program"  # the exported programs run
 
 
 def test_tp2_artifact_with_external_weights(spec_dirs, built):
@@ -108,8 +108,8 @@ def test_build_refuses_a_graph_that_breaks_the_contract(spec_dirs, tmp_path, mon
     from nxdi_voxtral import graphs
     orig = graphs.TokenGenerationGraph.forward
 
-    def with_sort(self, token, position, cache_mask):
-        (tok,) = orig(self, token, position, cache_mask)
+    def with_sort(self, token, position, cache_mask, slots):
+        (tok,) = orig(self, token, position, cache_mask, slots)
         return (torch.sort(tok).values,)
     monkeypatch.setattr(graphs.TokenGenerationGraph, "forward", with_sort)
     with pytest.raises(ContractViolation, match=r"token_generation\[512\].*sort"):

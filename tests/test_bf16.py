@@ -60,14 +60,14 @@ def near_tie(tmp_path_factory):
 
 def rows_vs_steps(lm, head, tokens, start, kv_len):
     """Final logits of tokens at positions start.. computed as one K+1-row pass and as 1-row decode steps."""
-    pos = torch.arange(start, start + len(tokens), dtype=torch.int32)
-    ids = torch.tensor([tokens])
+    pos = torch.arange(start, start + len(tokens), dtype=torch.int32)[None]
+    ids, slot = torch.tensor([tokens]), torch.zeros(1, dtype=torch.int32)
     before = lambda p: (torch.arange(kv_len) < p).int()[None]  # noqa: E731
     with torch.no_grad():
-        h, _ = lm(lm.embed_tokens(ids), pos, kv_len, cached_visible(pos, before(start)))
+        h, _ = lm(lm.embed_tokens(ids), pos, slot, kv_len, cached_visible(pos, before(start)))
         many = head(h[0])
-        one = [head(lm(lm.embed_tokens(ids[:, j:j + 1]), pos[j:j + 1], kv_len,
-                       cached_visible(pos[j:j + 1], before(start + j)))[0][0]) for j in range(len(tokens))]
+        one = [head(lm(lm.embed_tokens(ids[:, j:j + 1]), pos[:, j:j + 1], slot, kv_len,
+                       cached_visible(pos[:, j:j + 1], before(start + j)))[0][0]) for j in range(len(tokens))]
     return many, torch.cat(one)
 
 
@@ -101,9 +101,9 @@ def test_kernels_row_invariant_at_real_widths(dtype, kernels, monkeypatch):
     q, k, v = rnd(1, hq, 16, d), rnd(1, hkv, s, d), rnd(1, hkv, s, d)
     visible = torch.arange(s)[None, :] <= torch.arange(300, 316)[:, None]
     for t in (2, 5, 16):
-        out = attention(q[:, :, :t], k, v, visible[:t])
+        out = attention(q[:, :, :t], k, v, visible[None, :t])
         for j in range(t):
-            assert torch.equal(out[0, j], attention(q[:, :, j:j + 1].contiguous(), k, v, visible[j:j + 1])[0, 0])
+            assert torch.equal(out[0, j], attention(q[:, :, j:j + 1].contiguous(), k, v, visible[None, j:j + 1])[0, 0])
 
 
 # ---------------------------------------------------------------- speculative == plain greedy, bf16

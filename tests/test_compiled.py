@@ -14,6 +14,7 @@ from nxdi_voxtral.release import deploy, pack
 from nxdi_voxtral.build import main as build_main
 from nxdi_voxtral import ArtifactError, Buckets, NxDVoxtralSpecDec
 from nxdi_voxtral.compiled import INDUCTOR, CompiledGraph, summary
+from nxdi_voxtral.manifest import SCHEMA_VERSION
 
 from conftest import noise
 
@@ -112,7 +113,7 @@ def test_artifact_from_another_torch_is_refused(spec_dirs, tmp_path):
     """Cheap: the check runs before any weight is loaded. The manifest of a compiled build, other torch."""
     d = tmp_path / "art"
     d.mkdir()
-    manifest = {"schema_version": 1, "backend": "inductor", "tp": 1, "files": [], "weights": {},
+    manifest = {"schema_version": SCHEMA_VERSION, "backend": "inductor", "tp": 1, "files": [], "weights": {},
                 "versions": {"torch": "0.0-other", "neuron": {}},
                 "compile": {"torch_compile_backend": "inductor", "device": "cpu", "cache_dir": "compile_cache"}}
     (d / "manifest.json").write_text(json.dumps(manifest))
@@ -133,7 +134,7 @@ def test_tokens_equal_eager_no_graph_break_no_recompile(spec_dirs, prompt, eager
     caches = m.engine.caches()
     where = {name: c.data_ptr() for name, c in caches.items()}
     assert sum(counters["graph_break"].values()) == breaks  # fullgraph=True would have raised anyway
-    assert {(r["tag"], r["bucket"]) for r in m.compile_stats} == set(m.engine.graphs)
+    assert {(r["tag"], r["bucket"], r["batch"]) for r in m.compile_stats} == set(m.engine.graphs)
     assert all(isinstance(g, CompiledGraph) for g in m.engine.graphs.values())
     assert generate_without_compiling(m, prompt) == eager_tokens[kind]
     # KV caches stay in place: the same storage, written by the compiled graphs

@@ -69,11 +69,17 @@ def reference_attention(q, k, v, visible):
 ATTENTION_SHAPES = [(16, 4, 64, 512), (32, 8, 128, 300), (4, 4, 32, 96), (6, 2, 8, 37), (2, 1, 20, 17)]  # Hq,Hkv,D,S
 
 
+def one_sequence(impl):
+    """impl on one sequence whose keys start at row 0 of k / v."""
+    return lambda q, k, v, visible: impl(q, k, v, visible[None], torch.zeros(1, dtype=torch.long))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", [decode_attention, torch_decode_attention], ids=["op", "torch_twin"])
-def test_attention_rows_are_invariant_and_accurate(dtype, impl):
+@pytest.mark.parametrize("op", [decode_attention, torch_decode_attention], ids=["op", "torch_twin"])
+def test_attention_rows_are_invariant_and_accurate(dtype, op):
     gen = torch.Generator().manual_seed(3)
-    t = ROW_INVARIANT_ROWS
+    impl = one_sequence(op)
+    t = 16
     for hq, hkv, d, s in ATTENTION_SHAPES:
         q = torch.randn(1, hq, t, d, generator=gen).to(dtype)
         k_cache, v_cache = (torch.randn(1, hkv, s + 40, d, generator=gen).to(dtype) for _ in range(2))
@@ -95,11 +101,34 @@ def test_attention_row_that_sees_nothing_is_zero_and_masked_keys_are_ignored():
     q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
     visible = torch.zeros(2, 10, dtype=torch.bool)
     visible[1, :3] = True
-    out = decode_attention(q, k, v, visible)
+    attend = one_sequence(decode_attention)
+    out = attend(q, k, v, visible)
     assert torch.equal(out[0], torch.zeros(4, 16))
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 3:], v2[:, :, 3:] = float("nan"), 1e30
-    assert torch.equal(decode_attention(q, k2, v2, visible)[1], out[1])
+    assert torch.equal(attend(q, k2, v2, visible)[1], out[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", [decode_attention, torch_decode_attention], ids=["op", "torch_twin"])
+def test_attention_batch_reads_each_sequences_slot(dtype, op):
+    """b sequences in one call, each reading its own slot of one cache: every row equals the row computed alone,
+    whatever the other sequences, their slots or the key length S beyond what the row sees."""
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, slot_len, b, t = 8, 2, 32, 64, 4, 3
+    store = [torch.randn(1, hkv, 6 * slot_len, d, generator=gen).to(dtype) for _ in range(2)]
+    q = torch.randn(b, hq, t, d, generator=gen).to(dtype)
+    slots = torch.tensor([5, 0, 3, 1])
+    lengths = torch.tensor([10, 40, 3, 33])
+    outs = []
+    for s in (48, 64):
+        visible = torch.arange(s)[None, None, :] < (lengths[:, None, None] + torch.arange(t)[None, :, None])
+        out = op(q, *store, visible, slots * slot_len).view(b, t, hq, d)
+        for i in range(b):
+            alone = op(q[i:i + 1], *store, visible[i:i + 1], slots[i:i + 1] * slot_len)
+            assert torch.equal(out[i], alone.view(t, hq, d)), (s, i)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])  # a longer key bucket changes no bit
 
 
 def test_linear_strided_input_and_bias():

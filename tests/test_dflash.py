@@ -7,7 +7,6 @@ import torch
 from safetensors.torch import load_file
 
 from nxdi_voxtral.eval.acceptance import target_features, teacher_forced
-from nxdi_voxtral.speculative import SpecStats
 
 from conftest import noise
 
@@ -71,8 +70,9 @@ def hf_trace(spec_dirs, spec_models):
 def test_target_capture_features_match_transformers_hidden_states(spec_models, hf_trace):
     m = spec_models["dflash"]
     p, trace, ref = hf_trace
-    first, position, _ = m.prefill(p.input_ids, p.input_features, SpecStats("dflash", m.setup.k))
-    ours = target_features(m, trace, position)
+    seq = m.start(p.input_ids, p.input_features, 30, slot=0)
+    ours = target_features(m, trace, seq.position, seq.slot)
+    position = seq.position
     torch.testing.assert_close(ours, ref[position:position + len(trace)], rtol=1e-4, atol=1e-4)
 
 
@@ -83,12 +83,14 @@ def test_dflash_proposals_equal_reference(spec_dirs, spec_models, hf_trace, new_
     p, trace, feats = hf_trace
     cfg = json.loads((spec_dirs["dflash"] / "config.json").read_text())
     w = load_file(str(spec_dirs["dflash"] / "model.safetensors"))
-    first, position, drafter = m.prefill(p.input_ids, p.input_features, SpecStats("dflash", m.setup.k))
-    own = target_features(m, trace, position)
+    seq = m.start(p.input_ids, p.input_features, 30, slot=0)
+    position = seq.position
+    own = target_features(m, trace, position, seq.slot)
     if new_rows:
-        drafter.accepted(new_rows - 1, [own[None, :new_rows]], position)
+        m.drafter.accepted(seq, new_rows - 1, own[:new_rows])
     anchor_pos = position + new_rows
-    proposals = drafter.propose(trace[:new_rows + 1], anchor_pos)
+    seq.tokens, seq.position = trace[:new_rows + 1], anchor_pos
+    (proposals,) = m.drafter.propose([seq], [])
     block_ids = torch.tensor([trace[new_rows]] + [cfg["dflash_config"]["mask_token_id"]] * 15)
     emb = m.model.language_model.embed_tokens(block_ids)
     with torch.no_grad():

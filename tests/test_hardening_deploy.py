@@ -15,6 +15,7 @@ import pytest
 from nxdi_voxtral.release import deploy, main as artifacts_main, pack, rollback
 from nxdi_voxtral.build import main as build_main, parse_buckets
 from nxdi_voxtral.errors import ArtifactError, ConfigError
+from nxdi_voxtral.manifest import SCHEMA_VERSION
 from nxdi_voxtral.manifest import write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +25,7 @@ def fake_artifact(root: Path, name: str, payload: bytes) -> Path:
     d = root / name
     (d / "graphs").mkdir(parents=True)
     (d / "graphs" / "g.pt2").write_bytes(payload)
-    write_manifest(d, {"schema_version": 1, "backend": "export", "tp": 1, "graphs": [], "weights": {}})
+    write_manifest(d, {"schema_version": SCHEMA_VERSION, "backend": "export", "tp": 1, "graphs": [], "weights": {}})
     return d
 
 
@@ -116,7 +117,7 @@ def test_deploy_and_pack_argument_errors(tars, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     no_files = tmp_path / "nofiles"
     no_files.mkdir()
-    (no_files / "manifest.json").write_text(json.dumps({"schema_version": 1, "backend": "export"}))
+    (no_files / "manifest.json").write_text(json.dumps({"schema_version": SCHEMA_VERSION, "backend": "export"}))
     assert artifacts_main(["verify", str(no_files)]) == 2
     assert "field files is missing" in capsys.readouterr().err
 

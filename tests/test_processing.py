@@ -83,7 +83,9 @@ def test_bad_audio_arrays(tiny_model, samples, sr, match):
 
 def test_audio_longer_than_largest_bucket_names_the_limit(tiny_model):
     with pytest.raises(AudioTooLongError, match=r"largest audio bucket holds 2 \(60 s\)"):
-        tiny_model.transcribe(noise(61.0), sampling_rate=16000)
+        tiny_model.prepare(noise(61.0), sampling_rate=16000)  # one prompt: the bucket is the limit
+    with pytest.raises(AudioTooLongError, match=r"windowed transcription takes at most 50 s"):
+        tiny_model.transcribe(noise(61.0), sampling_rate=16000, max_audio_s=50)  # longer audio is windowed
 
 
 def test_bad_language_and_max_new_tokens(tiny_model):

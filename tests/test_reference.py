@@ -45,12 +45,13 @@ def test_greedy_tokens_and_logits_match_transformers(ckpt_factory, hf_cls, shape
         pos = (full[0] == m.cfg.audio_token_id).nonzero().flatten()
         t0 = prompt.input_ids.shape[1]
         x = m.embed_with_audio(full[:, :t0], audio, pos)
-        h, _ = m.language_model(x, torch.arange(t0), None, causal_visible(t0, x.device))
+        slot = torch.zeros(1, dtype=torch.int32)
+        h, _ = m.language_model(x, torch.arange(t0)[None], slot, None, causal_visible(t0, x.device))
         logits = [m.lm_head(h[0])]
         for p in range(t0, full.shape[1]):
             e = m.language_model.embed_tokens(full[:, p:p + 1])
             mask = (torch.arange(1024) < p).int()[None]
-            h, _ = m.language_model(e, torch.tensor([p]), 1024, cached_visible(torch.tensor([p]), mask))
+            h, _ = m.language_model(e, torch.tensor([[p]]), slot, 1024, cached_visible(torch.tensor([[p]]), mask))
             logits.append(m.lm_head(h[0]))
         logits = torch.cat(logits)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)

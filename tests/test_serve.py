@@ -1,11 +1,15 @@
 """The server as a fleet runs it: `python -m nxdi_voxtral serve --artifacts .../current` in a subprocess on a
 loopback port, driven by real HTTP clients (the openai package, httpx). Every transcript is compared with the
-Python API's on the same weights; hot swap goes through `artifacts deploy`; the tests end with SIGTERM.
+Python API's on the same weights; hot swap goes through `artifacts deploy`; the tests end with SIGTERM. A second
+server (`--model`, `--max-batch 4`) runs the continuous-batching tests: each of its transcripts must equal what the
+first (`--max-batch 1`) gives the same request alone; a long upload, whose windows run as sequences of its batch,
+must get the Python API's `transcribe` of the same file.
 
-No timer races: a test that acts on a request while it runs (a client that leaves, SIGTERM) holds it at a chosen
-token through the server's test hook (nxdi_voxtral.serve.host.HoldForTests, NXDI_VOXTRAL_TEST_HOLD); admission
-(queue full / queue timeout) needs the device held for as long as the test says: that test runs the same app (Host,
-admission, middleware, uvicorn) in this process, where the model's generate can wait on an Event."""
+No timer races: a test that acts on a request while it runs (a client that leaves, a request that joins, a swap,
+SIGTERM) holds it at a chosen token through the server's test hook (nxdi_voxtral.serve.host.HoldForTests,
+NXDI_VOXTRAL_TEST_HOLD), which pauses the whole batch between two steps; admission (queue full / queue timeout)
+needs the device held for as long as the test says: that test runs the same app (Host, admission, middleware,
+uvicorn) in this process, where the model's prefill can wait on an Event."""
 import json
 import os
 import shutil
@@ -25,7 +29,7 @@ from nxdi_voxtral import Buckets, NxDVoxtralSpecDec
 from nxdi_voxtral.manifest import file_entries, weight_files, write_manifest
 from nxdi_voxtral.synthetic import demo_dirs, write_random_checkpoint
 
-from serve_helpers import Server, free_port, noise, sse_events, wav_bytes
+from serve_helpers import Server, free_port, noise, speech_like, sse_events, wav_bytes
 
 B = Buckets(audio_chunks=(1,), kv_lengths=(512, 1024))
 QUICK = 16    # tokens for most requests
@@ -98,7 +102,8 @@ class Hold:
 def server(fleet, tmp_path_factory):
     hold_dir = tmp_path_factory.mktemp("hold")
     s = Server(["--artifacts", str(fleet["dest"] / "current"), "--queue-depth", "2", "--queue-timeout", "30",
-                "--max-upload-mb", "0.25", "--max-new-tokens", str(LONG), "--watch", "0", "--grace", "60"],
+                "--max-upload-mb", "0.25", "--max-new-tokens", str(LONG), "--max-audio-s", "60", "--watch", "0",
+                "--grace", "60"],
                tmp_path_factory.mktemp("log") / "server.log", env={"NXDI_VOXTRAL_TEST_HOLD": str(hold_dir)})
     s.hold = Hold(hold_dir)
     try:
@@ -123,6 +128,8 @@ def test_transcribe_matches_the_python_api(server, refs):
     assert t.headers["content-type"].startswith("text/plain") and t.text == refs["v1"]
     v = server.transcribe(CLIP, response_format="verbose_json", language="en", max_completion_tokens=QUICK).json()
     assert v["duration"] == pytest.approx(2.0) and v["language"] == "en" and v["tokens"] == QUICK
+    assert [(seg["id"], seg["start"], seg["end"], seg["text"], len(seg["tokens"])) for seg in v["segments"]] == [
+        (0, 0.0, v["duration"], v["text"], QUICK)]  # audio within one window: one segment covering it
     assert v["speculation"]["target_passes"] == QUICK and v["timings"]["decode_s"] > 0
 
 
@@ -166,7 +173,6 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, ref
          "file"),
         (server.transcribe(CLIP, language="xx"), 400, "invalid_language", "language"),
         (server.transcribe(wav_bytes(noise(10.0))), 413, "upload_too_large", "file"),           # 320 kB > 0.25 MiB
-        (server.transcribe(wav_bytes(np.zeros(16000 * 40, np.float32), fmt="FLAC")), 413, "audio_too_long", "file"),
         (server.transcribe(CLIP, content_type="text/plain"), 415, "unsupported_media_type", "file"),
         (server.client.post("/v1/audio/transcriptions", json={"file": "x"}), 415, "unsupported_media_type", None),
         (server.transcribe(CLIP, temperature=0.2), 422, "unsupported_value", "temperature"),
@@ -177,7 +183,13 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, ref
     for r, status, code, param in cases:
         err = error_of(r)
         assert (r.status_code, err["code"], err["param"]) == (status, code, param), err
-    assert "30 s" in error_of(cases[5][0])["message"]  # names the largest audio bucket
+    # longer than --max-audio-s (60 s here): measured from the header (a unit test below shows that no sample is
+    # decoded for it) and refused before admission, so it never reaches the device
+    admitted = server.metric("voxtral_queue_wait_seconds_count")
+    r = server.transcribe(wav_bytes(np.zeros(16000 * 61, np.float32), fmt="FLAC"))
+    assert r.status_code == 413 and (error_of(r)["code"], error_of(r)["param"]) == ("audio_too_long", "file")
+    assert "60 s" in error_of(r)["message"] and "--max-audio-s" in error_of(r)["message"]
+    assert server.metric("voxtral_queue_wait_seconds_count") == admitted
     # a chunked upload (no Content-Length) is counted while it is read
     req = httpx.Request("POST", "http://x", files={"file": ("a.wav", wav_bytes(noise(10.0)), "audio/wav")})
     body = req.read()
@@ -269,13 +281,13 @@ def test_admission_queue_full_and_wait_timeout_get_503_with_retry_after(fleet, r
     srv = InProcessServer(fleet["v1"], queue_depth=2, queue_timeout_s=0.3, max_new_tokens=LONG)
     try:
         model = srv.host.live.model
-        real_generate = model.generate
+        real_start = model.start
 
-        def held_generate(*args, **kwargs):
+        def held_start(*args, **kwargs):  # A's prefill waits for the test: A keeps the one device slot meanwhile
             on_device.set()
             assert release.wait(300), "the test never released the device"
-            return real_generate(*args, **kwargs)
-        monkeypatch.setattr(model, "generate", held_generate)
+            return real_start(*args, **kwargs)
+        monkeypatch.setattr(model, "start", held_start)
         results = {}
 
         def client(name):
@@ -342,6 +354,267 @@ def test_a_client_that_disconnects_frees_its_slot(server, refs):
     assert server.transcribe(CLIP, max_completion_tokens=QUICK).json()["text"] == refs["v1"]
     assert server.metric("voxtral_tokens_generated_total") == tokens + QUICK  # the last request's only
     assert server.metric("voxtral_queue_depth") == 0 and server.metric("voxtral_running") == 0
+
+
+# ---------------------------------------------------------------- continuous batching (--max-batch)
+
+# (audio, max_completion_tokens, stream): other clips, caps and modes, so that the sequences stop at different steps
+BATCH = [(CLIP, QUICK, True), (wav_bytes(noise(1.0, seed=4)), 24, False), (wav_bytes(noise(3.0, seed=5)), 12, True),
+         (wav_bytes(noise(2.5, seed=6)), 20, False)]
+
+
+def outcome(server, audio: bytes, tokens: int, stream: bool):
+    """What a client sees of one request, on its own connection: the streamed deltas and finish reason, or the
+    verbose_json text, token count and finish reason."""
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        if not stream:
+            v = server.transcribe(audio, client=c, response_format="verbose_json", max_completion_tokens=tokens)
+            assert v.status_code == 200, v.text
+            return v.json()["text"], v.json()["tokens"], v.json()["finish_reason"]
+        with c.stream("POST", "/v1/audio/transcriptions", files={"file": ("c.wav", audio, "audio/wav")},
+                      data={"stream": "true", "max_completion_tokens": str(tokens)}) as r:
+            assert r.status_code == 200
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        return [e["choices"][0]["delta"]["content"] for e in events[:-2]], events[-2]["choices"][0]["finish_reason"]
+
+
+class Clients:
+    """Requests on threads, each on its own connection; `results()` joins them, in the order they were started."""
+
+    def __init__(self, server):
+        self.server, self.threads, self.out = server, [], {}
+
+    def start(self, i: int, request) -> None:
+        t = threading.Thread(target=lambda: self.out.__setitem__(i, outcome(self.server, *request)))
+        t.start()
+        self.threads.append((i, t))
+
+    def results(self) -> list:
+        for _, t in self.threads:
+            t.join(120)
+        return [self.out.get(i) for i, _ in self.threads]
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(server):
+    """BATCH served one request after the other by the --max-batch 1 server (the fleet's v1)."""
+    return [outcome(server, *request) for request in BATCH]
+
+
+@pytest.fixture(scope="module")
+def batch_server(tmp_path_factory):
+    """The fleet's v1 weights (a copy of the demo target checkpoint), up to four sequences stepped together."""
+    hold_dir, model_dir = tmp_path_factory.mktemp("batch_hold"), tmp_path_factory.mktemp("batch_model") / "target"
+    shutil.copytree(demo_dirs()["target"], model_dir)
+    s = Server(["--model", str(model_dir), "--buckets", "audio=1:kv=512,1024", "--max-batch", "4",
+                "--queue-depth", "4", "--max-new-tokens", str(LONG)],
+               tmp_path_factory.mktemp("log") / "batch_server.log", env={"NXDI_VOXTRAL_TEST_HOLD": str(hold_dir)})
+    s.hold, s.model_dir = Hold(hold_dir), model_dir
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.hold.release()
+        s.stop()
+
+
+def wait_batch(server, timeout: float = 120, **expected) -> None:
+    """Until /health's batch block shows `expected` (e.g. waiting=2)."""
+    deadline = time.time() + timeout  # a bound on failure only
+    while {k: server.health()["batch"][k] for k in expected} != expected:
+        assert time.time() < deadline and server.proc.poll() is None, (server.health()["batch"], expected)
+        time.sleep(0.01)
+
+
+def test_concurrent_requests_get_their_one_at_a_time_transcripts(batch_server, one_at_a_time):
+    """Sent together to the --max-batch 4 server, however they happen to overlap, the requests get exactly what the
+    --max-batch 1 server gives each alone: the same texts, token counts and streamed deltas."""
+    clients = Clients(batch_server)
+    for i, request in enumerate(BATCH):
+        clients.start(i, request)
+    assert clients.results() == one_at_a_time
+
+
+def test_requests_that_join_mid_generation_get_their_exact_transcripts(batch_server, one_at_a_time):
+    """The first request is held at its token HOLD_AT while the other three queue behind it, in order; released,
+    they join the batch at the next step boundaries (one prefill per step while it runs) and every one gets its
+    one-at-a-time transcript. The metrics show the overlap."""
+    s = batch_server
+    steps, stepped = s.metric("voxtral_batch_occupancy_count"), s.metric("voxtral_batch_occupancy_sum")
+    waits = s.metric("voxtral_queue_wait_seconds_count")
+    s.hold.arm()
+    clients = Clients(s)
+    clients.start(0, BATCH[0])
+    s.hold.wait_held(s)
+    for i in (1, 2, 3):
+        clients.start(i, BATCH[i])
+        wait_batch(s, waiting=i, running=1)
+    s.hold.release()
+    assert clients.results() == one_at_a_time
+    assert (s.metric("voxtral_batch_occupancy_sum") - stepped) / (s.metric("voxtral_batch_occupancy_count") - steps) > 1
+    assert s.metric("voxtral_queue_wait_seconds_count") == waits + 4
+    assert s.metric("voxtral_max_batch") == 4 and s.metric("voxtral_generated_tokens_per_second") > 0
+    batch = s.health()["batch"]
+    assert batch["occupancy_mean"] > 1 and batch["tokens_per_s"] > 0
+    assert batch["queue_wait_s"]["max"] >= batch["queue_wait_s"]["p50"] >= 0
+    assert {k: batch[k] for k in ("max_batch", "running", "waiting", "kv_slots", "free_kv_slots")} == {
+        "max_batch": 4, "running": 0, "waiting": 0, "kv_slots": 4, "free_kv_slots": 4}
+
+
+def test_a_request_cancelled_mid_batch_frees_its_slot_and_the_others_finish_exactly(batch_server, one_at_a_time):
+    """B is held at its token HOLD_AT while A (streaming) and C queue; released, A and C join B mid-generation, and A
+    is held in turn at token HOLD_AT + 1 (C joined meanwhile). A's client leaves there: A's sequence leaves the
+    batch at the next step (cancelled, none of its tokens counted), B and C finish exactly, every slot is free."""
+    s = batch_server
+    cancelled, tokens = s.metric("voxtral_cancelled_total"), s.metric("voxtral_tokens_generated_total")
+
+    def leave_mid_stream():
+        with httpx.Client(base_url=s.url, timeout=120) as c:
+            with c.stream("POST", "/v1/audio/transcriptions", files={"file": ("a.wav", CLIP, "audio/wav")},
+                          data={"stream": "true", "max_completion_tokens": str(LONG)}) as r:
+                assert r.status_code == 200
+                s.hold.wait_held(s)  # A is held in the batch beside B and C: leave now
+    s.hold.arm()
+    clients = Clients(s)
+    clients.start(1, BATCH[1])                          # B
+    s.hold.wait_held(s)
+    leaving = threading.Thread(target=leave_mid_stream)  # A
+    leaving.start()
+    wait_batch(s, waiting=1)
+    clients.start(3, BATCH[3])                          # C
+    wait_batch(s, waiting=2)
+    s.hold.arm(HOLD_AT + 1)  # taken by A, the next request to start
+    s.hold.release()
+    leaving.join(120)
+    assert clients.results() == [one_at_a_time[1], one_at_a_time[3]]
+    assert s.metric("voxtral_cancelled_total") == cancelled + 1
+    assert s.metric("voxtral_tokens_generated_total") == tokens + one_at_a_time[1][1] + one_at_a_time[3][1]
+    wait_batch(s, running=0, waiting=0, free_kv_slots=4)
+    assert s.metric("voxtral_running") == 0 and s.metric("voxtral_queue_depth") == 0
+
+
+def test_a_swap_lets_the_batch_finish_on_the_old_version(batch_server, one_at_a_time):
+    """A and B are held mid-generation in the batch when SIGHUP loads a new version (the checkpoint touched: same
+    weights, a new version id). Its switch waits for the batch to drain and C, arriving meanwhile, waits for it: A
+    and B finish on the old version, C runs on the new one, every transcript exact."""
+    s = batch_server
+    old, previous_swap, seen = s.health()["version"], s.health()["last_swap"], {}
+
+    def ask(name: str, i: int) -> None:
+        audio, tokens, _ = BATCH[i]
+        with httpx.Client(base_url=s.url, timeout=120) as c:
+            r = s.transcribe(audio, client=c, max_completion_tokens=tokens)
+        seen[name] = (r.headers.get("x-voxtral-version"), r.json().get("text"))
+    threads = {name: threading.Thread(target=ask, args=(name, i)) for name, i in (("A", 1), ("B", 3), ("C", 0))}
+    s.hold.arm()
+    threads["A"].start()
+    s.hold.wait_held(s)
+    threads["B"].start()
+    wait_batch(s, waiting=1)
+    s.hold.arm(HOLD_AT + 1)  # B, held beside A
+    s.hold.release()
+    s.hold.wait_held(s)
+    for weights in s.model_dir.glob("*.safetensors"):
+        os.utime(weights)
+    s.proc.send_signal(signal.SIGHUP)
+    wait_batch(s, swap_pending=True, running=2)
+    threads["C"].start()
+    wait_batch(s, waiting=1)
+    s.hold.release()
+    for t in threads.values():
+        t.join(120)
+    swap = wait_swap(s, previous_swap)
+    assert swap["result"] == "ok" and swap["previous"] == old, swap
+    assert seen == {"A": (old, one_at_a_time[1][0]), "B": (old, one_at_a_time[3][0]),
+                    "C": (swap["version"], "".join(one_at_a_time[0][0]))}  # BATCH[0] streamed its deltas
+
+
+# ---------------------------------------------------------------- long uploads: windows in the batch
+
+LONG_S = 120.0      # five windows of at most 29 s (the 30 s audio bucket less a second): more than --max-batch
+WINDOW_TOKENS = 12  # max_completion_tokens, per window
+LONG_AUDIO = speech_like(LONG_S, seed=2)
+LONG_UPLOAD = wav_bytes(LONG_AUDIO)
+
+
+@pytest.fixture(scope="module")
+def long_reference(batch_server):
+    """The Python API's transcription of LONG_UPLOAD with batch_server's weights and buckets."""
+    m = NxDVoxtralSpecDec.from_pretrained(batch_server.model_dir, buckets=B, max_batch_size=4)
+    ref = m.transcribe(LONG_UPLOAD, max_new_tokens=WINDOW_TOKENS)
+    assert len(ref.segments) == 5 and all(len(seg.token_ids) > 1 for seg in ref.segments)
+    return ref
+
+
+def test_a_long_upload_runs_its_windows_in_the_batch_and_gets_the_python_api_transcript(batch_server,
+                                                                                     long_reference):
+    """Two minutes over the 30 s audio bucket: cut into the windows NxDVoxtralSpecDec.transcribe cuts, run as
+    sequences of the batch (several at once, as the occupancy shows; the fifth joins as a slot frees up): the text,
+    the segments and the stream are the Python API's."""
+    s, ref = batch_server, long_reference
+    steps, stepped = s.metric("voxtral_batch_occupancy_count"), s.metric("voxtral_batch_occupancy_sum")
+    v = s.transcribe(LONG_UPLOAD, response_format="verbose_json", max_completion_tokens=WINDOW_TOKENS)
+    assert v.status_code == 200, v.text
+    body = v.json()
+    assert body["text"] == ref.text and body["duration"] == LONG_S and body["tokens"] == len(ref.token_ids)
+    assert [(seg["id"], seg["start"], seg["end"], seg["text"], seg["tokens"]) for seg in body["segments"]] == [
+        (i, seg.start, seg.end, seg.text, seg.token_ids) for i, seg in enumerate(ref.segments)]
+    assert (s.metric("voxtral_batch_occupancy_sum") - stepped) / (s.metric("voxtral_batch_occupancy_count") - steps) > 1
+    assert s.transcribe(LONG_UPLOAD, max_completion_tokens=WINDOW_TOKENS).json()["text"] == ref.text
+    assert s.transcribe(LONG_UPLOAD, response_format="text", max_completion_tokens=WINDOW_TOKENS).text == ref.text
+    deltas, finish = outcome(s, LONG_UPLOAD, WINDOW_TOKENS, True)
+    assert "".join(deltas) == ref.text and finish == body["finish_reason"]
+    wait_batch(s, running=0, waiting=0, free_kv_slots=4)
+
+
+def test_a_long_upload_whose_client_leaves_frees_all_its_slots(batch_server, one_at_a_time):
+    """A long streaming upload fills the idle batch with its first four windows; held there, its client leaves:
+    all four sequences leave the batch at the next step (one request cancelled), and the next request is exact."""
+    s = batch_server
+    cancelled = s.metric("voxtral_cancelled_total")
+    s.hold.arm()
+    with httpx.Client(base_url=s.url, timeout=120) as c:
+        with c.stream("POST", "/v1/audio/transcriptions", files={"file": ("long.wav", LONG_UPLOAD, "audio/wav")},
+                      data={"stream": "true", "max_completion_tokens": str(WINDOW_TOKENS)}) as r:
+            assert r.status_code == 200
+            s.hold.wait_held(s)
+            assert s.health()["batch"]["running"] == 4  # one request, four windows stepped together
+    wait_metric(s, "voxtral_cancelled_total", cancelled + 1)
+    wait_batch(s, running=0, waiting=0, free_kv_slots=4)
+    assert outcome(s, *BATCH[1]) == one_at_a_time[1]
+
+
+def test_a_long_upload_whose_window_fails_frees_all_its_slots(batch_server, long_reference, one_at_a_time):
+    """A NaN in the middle of the fourth window: that window fails to decode once the first three are in the batch
+    (the idle batch is filled at once), the request fails (400) and their slots are free again."""
+    s, fourth = batch_server, long_reference.segments[3]
+    audio = LONG_AUDIO.copy()
+    audio[round((fourth.start + fourth.end) / 2 * 16000)] = np.nan
+    r = s.transcribe(wav_bytes(audio, subtype="FLOAT"), max_completion_tokens=WINDOW_TOKENS)
+    assert r.status_code == 400 and error_of(r)["code"] == "invalid_audio" and "NaN" in error_of(r)["message"]
+    wait_batch(s, running=0, waiting=0, free_kv_slots=4)
+    assert outcome(s, *BATCH[1]) == one_at_a_time[1]
+
+
+def test_max_batch_beyond_the_release_kv_slots_is_a_startup_error(fleet, tmp_path):
+    """A release built with one KV slot cannot serve two sequences at once: the server says so and how to rebuild,
+    and exits 1 (it bound its port first: the model is loaded behind /health/live). --max-batch 0 fails at once."""
+    import argparse
+    from nxdi_voxtral.errors import ConfigError
+    from nxdi_voxtral.serve.cli import add_arguments, serve
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ConfigError, match="--max-batch must be >= 1"):
+        serve(parser.parse_args(["--max-batch", "0"]))
+    s = Server(["--artifacts", str(fleet["v1"]), "--max-batch", "2"], tmp_path / "server.log")
+    try:
+        assert s.proc.wait(120) == 1
+    finally:
+        s.stop()
+    log = s.log()
+    assert "start-up failed: ConfigError: --max-batch 2 needs 2 KV slots" in log, log[-3000:]
+    assert "--buckets ...:batch=1,2" in log and "max_batch_size=2" in log
 
 
 def wait_swap(server, previous: dict, timeout=180) -> dict:

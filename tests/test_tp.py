@@ -65,7 +65,7 @@ def test_tp_features_close_and_layout(tp_dirs, prompts):
                                                buckets=SMALL_BUCKETS, tp_degree=tp) as m:
             nb, mel, ids, pos, last = gen.prepare_prefill(p.input_ids, p.input_features, m.cfg, m.buckets)
             (emb,) = m.run("audio_encoder", nb, mel)
-            return emb, m.run("context_encoding", nb, ids, emb, pos, last)[1]
+            return emb, m.run("context_encoding", nb, ids, emb, pos, last, torch.zeros(1, dtype=torch.int32))[1]
     e1, f1 = features(1)
     e4, f4 = features(4)
     torch.testing.assert_close(e4, e1, rtol=1e-4, atol=1e-5)

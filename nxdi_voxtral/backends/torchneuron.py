@@ -30,12 +30,12 @@ class TorchNeuron(TorchCompile):
 
     def load(self, art_dir, manifest, build_kwargs, call_timeout_s=None):
         ranks, stats = super().load(art_dir, manifest, build_kwargs, call_timeout_s)
-        built = {(g["tag"], g["bucket"]): set(g.get("neff_keys", ())) for g in manifest["graphs"]}
+        built = {(g["tag"], g["bucket"], g["batch"]): set(g.get("neff_keys", ())) for g in manifest["graphs"]}
         for r in stats:  # rank 0's graphs: a key the release does not hold was compiled here, not loaded
-            missed = sorted(set(r.get("neff_keys", ())) - built[(r["tag"], r["bucket"])])
+            missed = sorted(set(r.get("neff_keys", ())) - built[(r["tag"], r["bucket"], r["batch"])])
             if missed:
                 ranks.close()
-                raise ArtifactError(f"{r['tag']}[{r['bucket']}]: compiled to NEFF cache key {missed[0][:16]}..., "
+                raise ArtifactError(f"{r['tag']}[{r['bucket']}, batch {r['batch']}]: compiled to NEFF cache key {missed[0][:16]}..., "
                                     f"which {art_dir} does not hold (another compiler, flags or torch than the "
                                     f"build's?); rebuild with `python -m compile.build --backend torchneuron`")
         return ranks, stats

@@ -1,4 +1,4 @@
-/* The decode and verify passes' CPU kernels (decode: 1 row, verify: K+1 <= 16 rows), fp32 or bf16, AVX-512:
+/* The decode and verify passes' CPU kernels (decode: b rows, verify: b x (K+1) rows), fp32 or bf16, AVX-512:
  * row_linear (y = x @ w.T) and decode_attention. Each computes every output row by one fixed sequence of
  * operations whatever the number of rows beside it, so a verify row gets the bits its decode step gets.
  *
@@ -169,13 +169,13 @@ static inline __m512 exp_nonpositive(__m512 x) { /* exp(x) for x <= 0, ~1 ulp: 2
 /* one (row t, head h) of decode_attention; bf16 is a constant where this is inlined */
 static inline __attribute__((always_inline)) void attention_item(
     const char *q, const char *k, const char *v, char *out, const uint8_t *visible, int64_t t, int64_t h, int64_t Hq,
-    int64_t group, int64_t D, int64_t S, int64_t k_head_stride, int64_t v_head_stride, float scale, float *score,
-    const int bf16) {
+    int64_t group, int64_t D, int64_t S, int64_t k_head_stride, int64_t v_head_stride, int64_t key_base, float scale,
+    float *score, const int bf16) {
     const int64_t es = bf16 ? 2 : 4, dv = (D + 15) / 16, g = h / group;
     const __mmask16 tail = (__mmask16)(D % 16 ? (1u << (D % 16)) - 1 : 0xffff);
 #define LANES(i) ((i) == dv - 1 ? tail : (__mmask16)0xffff)
     const uint8_t *vis = visible + t * S;
-    const char *kg = k + g * k_head_stride * es, *vg = v + g * v_head_stride * es;
+    const char *kg = k + (g * k_head_stride + key_base * D) * es, *vg = v + (g * v_head_stride + key_base * D) * es;
     __m512 qv[MAX_HEAD_DIM / 16];
     for (int64_t i = 0; i < dv; i++) qv[i] = load16(q + ((t * Hq + h) * D + i * 16) * es, LANES(i), bf16);
     float m = -INFINITY;
@@ -223,19 +223,21 @@ static inline __attribute__((always_inline)) void attention_item(
 #undef LANES
 }
 
-/* q [T, Hq, D] contiguous; k, v: row j of kv head g at k + (g * head_stride + j * D) * element size; visible
- * [T, S] bytes; out [T, Hq, D]; scratch: threads * S floats; D <= MAX_HEAD_DIM. */
-void decode_attention(const char *q, const char *k, const char *v, char *out, const uint8_t *visible, int64_t T,
-                      int64_t Hq, int64_t Hkv, int64_t D, int64_t S, int64_t k_head_stride, int64_t v_head_stride,
-                      float scale, int bf16, int threads, float *scratch) {
+/* q [T, Hq, D] contiguous; k, v: key j of query row t in kv head g at k + (g * head_stride + (key_base[t] + j) * D)
+ * * element size (a batch: each row reads its own sequence's slot of one cache); visible [T, S] bytes; out
+ * [T, Hq, D]; scratch: threads * S floats; D <= MAX_HEAD_DIM. */
+void decode_attention(const char *q, const char *k, const char *v, char *out, const uint8_t *visible,
+                      const int64_t *key_base, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t S,
+                      int64_t k_head_stride, int64_t v_head_stride, float scale, int bf16, int threads,
+                      float *scratch) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < T * Hq; item++) {
         float *score = scratch + (int64_t)omp_get_thread_num() * S;
         if (bf16)
             attention_item(q, k, v, out, visible, item / Hq, item % Hq, Hq, Hq / Hkv, D, S, k_head_stride,
-                           v_head_stride, scale, score, 1);
+                           v_head_stride, key_base[item / Hq], scale, score, 1);
         else
             attention_item(q, k, v, out, visible, item / Hq, item % Hq, Hq, Hq / Hkv, D, S, k_head_stride,
-                           v_head_stride, scale, score, 0);
+                           v_head_stride, key_base[item / Hq], scale, score, 0);
     }
 }

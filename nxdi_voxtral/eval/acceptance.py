@@ -13,35 +13,36 @@ import sys
 import torch
 from tqdm import tqdm
 
-from ..generate import I32, cache_mask
-from ..speculative import SpecStats
+from ..generate import I32, cache_masks
 
 
-def target_features(m, trace: list[int], position: int) -> torch.Tensor:
+def target_features(m, trace: list[int], position: int, slot: int) -> torch.Tensor:
     """Teacher-forced target features [len(trace), F] of trace tokens at position.. (verify passes over the trace;
-    the target cache must hold the prompt)."""
+    the target cache slot must hold the prompt)."""
     k, rows = m.setup.k, []
     for i in range(0, len(trace), k + 1):
         chunk = trace[i:i + k + 1]
         bucket = m.buckets.kv_bucket(position + i + k + 1)
         cands = torch.tensor([chunk + [0] * (k + 1 - len(chunk))], dtype=I32)
         *_, feats = m.run("verify", bucket, cands, (position + i + torch.arange(k + 1, dtype=I32))[None],
-                          cache_mask(bucket, position + i), torch.tensor([len(chunk) - 1], dtype=I32))
+                          cache_masks(bucket, [position + i]), torch.tensor([len(chunk) - 1], dtype=I32),
+                          torch.tensor([slot], dtype=I32))
         rows.append(feats[0, :len(chunk)])
     return torch.cat(rows)
 
 
 def teacher_forced(m, input_ids, input_features, max_new_tokens: int, progress: bool = False) -> dict:
     trace = m.generate(input_ids, input_features, max_new_tokens=max_new_tokens)[0].tolist()
-    stats = SpecStats(m.draft_kind, m.setup.k)
-    first, position, drafter = m.prefill(input_ids, input_features, stats)
-    assert first == trace[0]
-    feats = target_features(m, trace, position) if m.draft_kind == "dflash" else None
+    seq = m.start(input_ids, input_features, max_new_tokens, slot=0)
+    assert seq.tokens == trace[:1]
+    position = seq.position
+    feats = target_features(m, trace, position, seq.slot) if m.draft_kind == "dflash" else None
     accepted = []
     for i in tqdm(range(len(trace) - 1), disable=not progress, desc="anchors", leave=False):
+        seq.tokens, seq.position = trace[:i + 1], position + i  # anchored at trace position i
         if feats is not None and i > 0:
-            drafter.accepted(0, [feats[None, i - 1:i]], position + i - 1)
-        proposal = drafter.propose(trace[:i + 1], position + i)
+            m.drafter.accepted(seq, 0, feats[i - 1:i])
+        proposal = m.drafter.propose([seq], [])[0]
         truth = trace[i + 1:i + 1 + len(proposal)]
         a = 0
         while a < len(truth) and proposal[a] == truth[a]:

@@ -79,7 +79,8 @@ def ours_logits(m, prompt, tokens: list[int]) -> torch.Tensor:
     x = model.embed_with_audio(ids, model.encode_audio(prompt.input_features.to(model.lm_head.weight.dtype)),
                                audio_pos)
     t = x.shape[1]
-    h, _ = model.language_model(x, torch.arange(t), None, causal_visible(t, x.device))
+    h, _ = model.language_model(x, torch.arange(t)[None], torch.zeros(1, dtype=torch.int32), None,
+                                causal_visible(t, x.device))
     return model.lm_head(h[0, prompt.input_ids.shape[1] - 1:]).float()
 
 

@@ -53,13 +53,14 @@ def busy(message: str, code: str, retry_after: int) -> ApiError:
 
 
 class Admission:
-    """One device slot and a bounded queue in front of it: a request past `depth` waiting, or waiting longer than
-    `timeout_s`, gets 503 + Retry-After. The slot is released when the device job ends, not when the handler
-    returns: a request whose client left keeps the slot until its generation has stopped."""
+    """`slots` places in the device's batch (the host's --max-batch) and a bounded queue in front of them: a request
+    past `depth` waiting, or waiting longer than `timeout_s`, gets 503 + Retry-After. A slot is released when the
+    device job ends, not when the handler returns: a request whose client left keeps it until its sequence has left
+    the batch."""
 
-    def __init__(self, depth: int, timeout_s: float, metrics):
+    def __init__(self, depth: int, timeout_s: float, metrics, slots: int = 1):
         self.depth, self.timeout_s, self.metrics = depth, timeout_s, metrics
-        self.slot = asyncio.Semaphore(1)
+        self.slots = asyncio.Semaphore(slots)
         self.waiting = 0
 
     def retry_after(self) -> int:
@@ -73,7 +74,7 @@ class Admission:
         self.waiting += 1
         self.metrics.queue_depth.set(self.waiting)
         try:
-            await asyncio.wait_for(self.slot.acquire(), self.timeout_s)
+            await asyncio.wait_for(self.slots.acquire(), self.timeout_s)
         except asyncio.TimeoutError:
             self.metrics.rejected.labels("queue_timeout").inc()
             raise busy(f"server busy: waited {self.timeout_s:g} s for the device", "queue_timeout",
@@ -83,7 +84,7 @@ class Admission:
             self.metrics.queue_depth.set(self.waiting)
 
     def release(self) -> None:
-        self.slot.release()
+        self.slots.release()
 
 
 class UploadGuard:
@@ -156,8 +157,8 @@ class RequestMetrics:
 
 def upload_seconds(data: bytes) -> float:
     """Seconds of audio in an upload, from its container's header (wav / flac / ogg / mp3): nothing is decoded
-    here. A small compressed file can hold hours of audio; it is refused (413) on this number before admission,
-    and the decoding itself runs under admission, on the device thread (Host), block by block."""
+    here. A small compressed file can hold hours of audio; past --max-audio-s it is refused (413) on this number
+    before admission, and the decoding itself runs under admission, on the device thread (Host), window by window."""
     if not data:
         raise ApiError(400, "the uploaded file is empty", "invalid_audio", "file")
     try:
@@ -176,7 +177,7 @@ def create_app(host: Host, metrics, model_name: str, max_upload_bytes: int, queu
 
     @asynccontextmanager
     async def lifespan(app):
-        app.state.admission = Admission(queue_depth, queue_timeout_s, metrics)
+        app.state.admission = Admission(queue_depth, queue_timeout_s, metrics, host.max_batch)
         if on_startup:
             on_startup(asyncio.get_running_loop())
         yield
@@ -223,7 +224,7 @@ def create_app(host: Host, metrics, model_name: str, max_upload_bytes: int, queu
         body = {"state": host.state, "ready": host.ready, "model": model_name,
                 "version": loaded.version.id if loaded else None, "path": loaded.version.path if loaded else None,
                 "rank_pids": loaded.rank_pids() if loaded else [], "last_swap": host.last_swap,
-                "queue_waiting": app.state.admission.waiting}
+                "queue_waiting": app.state.admission.waiting, "batch": host.batch_status()}
         return JSONResponse(body, status_code=200 if host.ready else 503)
 
     @app.get("/metrics")
@@ -274,15 +275,12 @@ def create_app(host: Host, metrics, model_name: str, max_upload_bytes: int, queu
             raise busy(f"not ready: {host.state}", "not_ready", 2)
         data = await file.read()
         seconds = await run_in_threadpool(upload_seconds, data)
-        loaded = host.live
-        if loaded is not None:
-            limit_s = loaded.model.buckets.max_audio_seconds(loaded.model.cfg)
-            if seconds > limit_s:
-                raise ApiError(413, f"audio of {seconds:.1f} s is longer than the largest audio bucket "
-                               f"({limit_s:g} s)", "audio_too_long", "file")
+        if seconds > host.max_audio_s:
+            raise ApiError(413, f"audio of {seconds:.1f} s is longer than the {host.max_audio_s:g} s this server "
+                           f"transcribes (--max-audio-s)", "audio_too_long", "file")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(audio=data, language=language or None,
+        job = Job(audio=data, audio_s=seconds, language=language or None,
                   max_new_tokens=max_completion_tokens, stream=stream,
                   emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         admission: Admission = app.state.admission
@@ -323,8 +321,8 @@ async def client_gone(request: Request) -> None:
 
 
 async def unless_gone(awaitable, gone: asyncio.Task, job: Job):
-    """Await `awaitable` unless the client leaves first: then stop its generation (the device slot is released
-    when the job actually ends) and raise ClientGone."""
+    """Await `awaitable` unless the client leaves first: then stop its generation (its sequence leaves the batch at
+    the next step; the admission place is released when the job actually ends) and raise ClientGone."""
     task = asyncio.ensure_future(awaitable)
     await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     if task.done():
@@ -365,6 +363,8 @@ def render(result, response_format: str, language: str | None, model_name: str) 
         return JSONResponse({"text": result.text, "usage": usage}, headers=headers)
     return JSONResponse({
         "task": "transcribe", "language": language, "duration": result.duration_s, "text": result.text,
+        "segments": [{"id": i, "start": s.start, "end": s.end, "text": s.text, "tokens": s.token_ids}
+                     for i, s in enumerate(result.segments)],
         "usage": usage, "model": model_name, "model_version": result.version.id,
         "tokens": len(result.token_ids), "finish_reason": result.finish_reason,
         "timings": {k: round(v, 6) if isinstance(v, float) else v for k, v in result.timings.items()},

@@ -15,6 +15,7 @@ log = logging.getLogger("nxdi_voxtral.serve")
 
 
 def add_arguments(p) -> None:
+    from ..application import MAX_AUDIO_S
     src = p.add_mutually_exclusive_group()
     src.add_argument("--artifacts", help="compiled artifacts: a build dir or the deploy link, e.g. /srv/voxtral/current")
     src.add_argument("--model", help="HF checkpoint dir (uncompiled path); neither: the embedded demo model")
@@ -31,10 +32,17 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default="voxtral-mini-3b")
     p.add_argument("--max-upload-mb", type=float, default=25.0, help="request body limit (413 past it)")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="most requests decoded together (continuous batching); each needs a KV slot: --model / demo "
+                        "load batch buckets up to N, a release must have them (build --buckets ...:batch=1,2,4,8)")
     p.add_argument("--queue-depth", type=int, default=8, help="requests that may wait for the device (503 past it)")
     p.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait (503 past it)")
     p.add_argument("--max-new-tokens", type=int, default=448,
-                   help="cap per request (requests may ask for less with max_completion_tokens; the KV buckets cap it)")
+                   help="cap per request, per window of a long upload (requests may ask for less with "
+                        "max_completion_tokens; the KV buckets cap it)")
+    p.add_argument("--max-audio-s", type=float, default=MAX_AUDIO_S,
+                   help="longest upload (413 past it, measured from the header); one longer than the largest audio "
+                        "bucket is cut into windows at quiet points, decoded together in the batch (default 3 h)")
     p.add_argument("--watch", type=float, default=2.0, help="poll the artifacts link every S s (0: SIGHUP only)")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -43,7 +51,7 @@ def add_arguments(p) -> None:
 def source_from_args(args):
     from .host import Source
     if args.artifacts:
-        return Source("artifacts", args.artifacts)
+        return Source("artifacts", args.artifacts)  # its buckets, KV slots included, are the release's
     draft, kind, path = args.draft, args.draft_kind, args.model
     if draft is not None and kind is None:
         kind = "layers"
@@ -55,9 +63,13 @@ def source_from_args(args):
             draft = str(demo[kind])
         print(f"[demo] no --model / --artifacts: synthetic demo weights, transcripts are meaningless ({path})",
               file=sys.stderr)
-    from ..graphs import parse_buckets
+    from dataclasses import replace
+    from ..graphs import batch_sizes_up_to, parse_buckets
+    buckets = parse_buckets(args.buckets)
+    if buckets.max_batch < args.max_batch:  # a KV slot per sequence of the largest batch
+        buckets = replace(buckets, batch_sizes=batch_sizes_up_to(args.max_batch))
     return Source("demo" if args.model is None else "model", path, draft, kind, args.num_speculative_tokens,
-                  args.tp, args.dtype, parse_buckets(args.buckets) if args.buckets else None, args.backend)
+                  args.tp, args.dtype, buckets, args.backend)
 
 
 def serve(args) -> int:
@@ -69,16 +81,17 @@ def serve(args) -> int:
     from .metrics import Metrics
 
     for name, value, low in (("--queue-depth", args.queue_depth, 0), ("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--tp", args.tp, 1)):
+                             ("--tp", args.tp, 1), ("--max-batch", args.max_batch, 1)):
         if value < low:
             raise ConfigError(f"{name} must be >= {low}, got {value}")
-    if args.queue_timeout <= 0 or args.max_upload_mb <= 0 or args.grace < 0 or args.watch < 0:
-        raise ConfigError("--queue-timeout and --max-upload-mb must be > 0, --grace and --watch >= 0")
+    if args.queue_timeout <= 0 or args.max_upload_mb <= 0 or args.max_audio_s <= 0 or args.grace < 0 \
+            or args.watch < 0:
+        raise ConfigError("--queue-timeout, --max-upload-mb and --max-audio-s must be > 0, --grace and --watch >= 0")
     from .. import backends
     if not backends.get(args.backend).from_checkpoint:  # an unknown name is a ConfigError here, before loading
         raise ConfigError(f"--backend {args.backend}: runs from artifacts; build them and serve with --artifacts")
     metrics = Metrics()
-    host = Host(source_from_args(args), metrics, args.max_new_tokens)
+    host = Host(source_from_args(args), metrics, args.max_new_tokens, args.max_batch, args.max_audio_s)
     stop = threading.Event()
     server: uvicorn.Server | None = None
 

@@ -18,7 +18,7 @@ from nxdi_voxtral.checkpoint import read_safetensors
 
 from nxdi_voxtral.graphs import Buckets
 
-SMALL_BUCKETS = Buckets(audio_chunks=(1, 2), kv_lengths=(512, 1024))
+SMALL_BUCKETS = Buckets(audio_chunks=(1, 2), kv_lengths=(512, 1024), batch_sizes=(1, 2))
 
 CASES = [("none", torch.float32), ("layers", torch.float32), ("layers_own_audio", torch.float32),
          ("dflash", torch.float32), ("ngram", torch.float32), ("layers", torch.bfloat16)]
@@ -55,6 +55,8 @@ def inputs_for(spec, setup, g):
             out.append(torch.randn(t.shape, generator=g).to(t.dtype))
         elif i == 0 and spec.tag != "audio_encoder":  # ids / tokens / candidates
             out.append(torch.randint(0, vocab, t.shape, generator=g, dtype=t.dtype))
+        elif i == len(example_inputs(spec, setup)) - 1 and spec.tag != "audio_encoder":  # slots: one per row
+            out.append(torch.arange(t.shape[0], dtype=t.dtype))
         else:
             out.append(t)
     return tuple(out)
@@ -84,7 +86,7 @@ def test_graphs_lower_as_one_xla_graph(case, dtype, spec_dirs, own_audio_draft):
         met.clear_all()
         with torch.no_grad():
             xla_out = x_graph(*[t.to(dev) for t in inputs])
-        name = f"{case}/{spec.tag}[{spec.bucket}]"
+        name = f"{case}/{spec.name}"
         assert met.metric_data("ExecuteTime") is None, f"{name}: executed while tracing (host sync)"
         assert not met.executed_fallback_ops(), f"{name}: CPU fallback {met.executed_fallback_ops()}"
         x_caches = caches_of(x_model, x_draft)

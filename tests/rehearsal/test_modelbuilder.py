@@ -20,7 +20,7 @@ import neuron_rehearsal as nr
 from nxdi_voxtral.build import build
 from nxdi_voxtral import NxDVoxtralSpecDec
 from nxdi_voxtral.engine import build_engine
-from nxdi_voxtral.graphs import CACHE_OWNER, Buckets, graph_plan
+from nxdi_voxtral.graphs import CACHE_OWNER, Buckets, graph_key, graph_plan
 from nxdi_voxtral.neuron import NeuronPlan, make_builder
 from nxdi_voxtral.processing import load_tokenizer
 
@@ -30,7 +30,7 @@ def noise(seconds: float, seed: int, sr: int = 16000):
     import numpy as np
     return (np.random.RandomState(seed).randn(int(seconds * sr)) * 0.1).astype(np.float32)
 
-SMALL = Buckets(audio_chunks=(1, 2), kv_lengths=(512, 1024))
+SMALL = Buckets(audio_chunks=(1, 2), kv_lengths=(512, 1024), batch_sizes=(1, 2))
 BUILDS = [(1, "layers"), (2, "layers"), (2, "dflash")]
 TOKEN_TAGS = ("context_encoding", "token_generation", "verify", "draft_fused_k", "dflash_draft")
 
@@ -141,10 +141,11 @@ class ReplayRanks:
         self.arts = {}
         for tag, container in builder.model_collection.items():
             specs = [s for s in graph_plan(setup) if s.tag == tag]
-            self.arts.update({(tag, s.bucket): a for s, a in zip(specs, container.hlo_artifact_collection)})
+            self.arts.update({s.key: a for s, a in zip(specs, container.hlo_artifact_collection)})
 
     def run(self, tag, bucket, *inputs):
-        art = self.arts[(tag, bucket)]
+        graph = graph_key(tag, bucket, inputs)
+        art = self.arts[graph]
         meta = nr.summarize_metaneff(art.metaneff)
         feed = list(art.flattener(tuple(inputs)))
         for m in meta["inputs"][len(feed):]:
@@ -153,11 +154,11 @@ class ReplayRanks:
                 feed.append(self.state.setdefault(key, torch.zeros(m["shape"], dtype=self.setup.dtype)))
             else:
                 feed.append(self.weights[key])
-        if (tag, bucket) not in self.computations:
-            comp = xb.computation_from_module_proto(f"{tag}_{bucket}", art.hlo_module.SerializeToString())
-            self.computations[(tag, bucket)] = xb.xla_computation_as_func(comp)
+        if graph not in self.computations:
+            comp = xb.computation_from_module_proto("_".join(map(str, graph)), art.hlo_module.SerializeToString())
+            self.computations[graph] = xb.xla_computation_as_func(comp)
         dev = torch_xla.device()
-        outs = self.computations[(tag, bucket)]([t.to(dev) for t in feed])
+        outs = self.computations[graph]([t.to(dev) for t in feed])
         outs = [o.cpu() for o in (outs if isinstance(outs, (list, tuple)) else [outs])]
         aliased = {int(o): p for o, p in meta["output_aliases_to"].items()}
         for o, p in aliased.items():
@@ -174,8 +175,12 @@ def test_replayed_hlo_drives_the_loop_to_the_cpu_tokens(kind, spec_dirs, tmp_pat
     stops_after_the_boundary(lambda: builder.trace(initialize_model_weights=False))
     replay = ReplayRanks(builder, engine.setup, builder.shard_checkpoint()[0])
     hlo = NxDVoxtralSpecDec(load_tokenizer(target), replay)
-    for seconds, seed in ((3.0, 0), (41.0, 1)):
-        p = cpu.prepare(noise(seconds, seed=seed), sampling_rate=16000)
+    prompts = [cpu.prepare(noise(seconds, seed=seed), sampling_rate=16000) for seconds, seed in ((3.0, 0), (41.0, 1))]
+    for p in prompts:
         want = cpu.generate(p.input_ids, p.input_features, max_new_tokens=24)
         got = hlo.generate(p.input_ids, p.input_features, max_new_tokens=24)
         assert got.tolist() == want.tolist() and len(set(want[0].tolist())) > 6
+    # both at once: the batch-2 graphs, two KV slots in the aliased state
+    batch = ([p.input_ids for p in prompts], [p.input_features for p in prompts])
+    assert [x.tolist() for x in hlo.generate(*batch, max_new_tokens=24)] == \
+        [x.tolist() for x in cpu.generate(*batch, max_new_tokens=24)]

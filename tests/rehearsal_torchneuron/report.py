@@ -21,7 +21,7 @@ from nxdi_voxtral import Buckets, NxDVoxtralSpecDec  # noqa: E402
 from nxdi_voxtral.config import TextConfig, VoxtralConfig  # noqa: E402
 from nxdi_voxtral.graphs import graph_plan  # noqa: E402
 
-B = Buckets(audio_chunks=(1,), kv_lengths=(512,))
+B = Buckets(audio_chunks=(1,), kv_lengths=(512,), batch_sizes=(1, 2))
 
 
 def checkpoints(root: str) -> dict:
@@ -48,10 +48,10 @@ def tp1_rows(dirs: dict, kind: str, dtype) -> list[str]:
     rows = {graph_name(r): r for r in tr.summary()}
     out = []
     for s in graph_plan(m.setup):
-        r = rows[f"{s.tag}[{s.bucket}]"]
+        r = rows[s.name]
         f64 = sorted({float(v) for v in re.findall(r"dense<([^>]+)> : tensor<1xf64>", tr.text(r["n"]))})
         left = ", ".join(f"{k} x{v}" for k, v in r["leftover_ops"].items()) or "none"
-        out.append(f"| {s.tag} | {s.bucket} | {kind} | {r['status']} | {len(r['aliases'])} | "
+        out.append(f"| {s.tag} | {s.bucket} | {s.batch} | {kind} | {r['status']} | {len(r['aliases'])} | "
                    f"{', '.join(r['mutated_not_aliased']) or 'none'} | {r['copy_backs']} | - | {left} | "
                    f"{', '.join(f'{x:g}' for x in f64) or 'none'} |")
     return out
@@ -77,9 +77,9 @@ def tp2_rows(dirs: dict, kind: str) -> list[str]:
                                   k=2 if kind in ("layers", "ngram") else None, buckets=B, tp=2, rank=rank,
                                   comm=DistComm(rank, 2))
             for s in graph_plan(engine.setup):
-                name_neuron_graph(f"{s.tag}[{s.bucket}]")
+                name_neuron_graph(s.name)
                 try:
-                    CompiledGraph(engine.graphs[(s.tag, s.bucket)], torchneuron_target(),
+                    CompiledGraph(engine.graphs[s.key], torchneuron_target(),
                                   torch.device("cpu"))(*example_inputs(s, engine.setup))
                 except Exception:  # noqa: BLE001  (the expected stop: collectives are not lowered upstream)
                     pass
@@ -108,8 +108,8 @@ def main() -> int:
     kinds = a.kinds.split(",")
     with tempfile.TemporaryDirectory() as root:
         dirs = checkpoints(root)
-        print("| tag | bucket | draft | status | must_alias | mutated, not aliased | copy-backs | collectives | "
-              "leftover ops | f64 constants left |\n|---|---|---|---|---|---|---|---|---|---|")
+        print("| tag | bucket | batch | draft | status | must_alias | mutated, not aliased | copy-backs | collectives | "
+              "leftover ops | f64 constants left |\n|---|---|---|---|---|---|---|---|---|---|---|")
         for kind in kinds:
             print("\n".join(tp1_rows(dirs, kind, dtype)), flush=True)
         print("\ntp 2 (FX level; rank 0 and rank 1 traced over torch's fake process group)\n")

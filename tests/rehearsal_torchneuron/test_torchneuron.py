@@ -22,7 +22,7 @@ from nxdi_voxtral.graphs import CACHE_OWNER, graph_plan
 
 from conftest import noise
 
-B = Buckets(audio_chunks=(1,), kv_lengths=(512,))
+B = Buckets(audio_chunks=(1,), kv_lengths=(512,), batch_sizes=(1, 2))  # every decode-side graph at batch 1 and 2
 KINDS = ("none", "layers", "dflash", "ngram")
 N_NEW = 20
 
@@ -36,10 +36,10 @@ def load(spec_dirs, kind, dtype=torch.float32, **kw):
 
 
 def boundary_rows(m) -> dict[str, dict]:
-    """The kit's summary rows of this model's graphs, by graph name (compile_engine names them tag[bucket]; the
-    backend appends _<AOT id>...)."""
+    """The kit's summary rows of this model's graphs, by graph name (compile_engine names them GraphSpec.name,
+    tag[bucket] or tag[bucket, batch b]; the backend appends _<AOT id>...)."""
     rows = {r["graph"][:r["graph"].index("]") + 1]: r for r in tr.summary()}
-    return {f"{s.tag}[{s.bucket}]": rows.get(f"{s.tag}[{s.bucket}]") for s in graph_plan(m.setup)}
+    return {s.name: rows.get(s.name) for s in graph_plan(m.setup)}
 
 
 def f64_constants(n: int) -> set[float]:
@@ -61,6 +61,13 @@ def prompt(spec_dirs):
 
 
 @pytest.fixture(scope="module")
+def batch_prompts(spec_dirs, prompt):
+    with load(spec_dirs, "none") as m:
+        other = m.prepare(noise(7.0, seed=9), sampling_rate=16000)
+    return [prompt.input_ids, other.input_ids], [prompt.input_features, other.input_features]
+
+
+@pytest.fixture(scope="module")
 def greedy_on_replay(spec_dirs, prompt):
     """Plain greedy tokens of the torchneuron backend (the replayed modules), per dtype."""
     tokens = {}
@@ -75,7 +82,8 @@ def greedy_on_replay(spec_dirs, prompt):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_graphs_at_the_boundary_and_the_loop_on_them(spec_dirs, prompt, greedy_on_replay, kind, dtype):
+def test_graphs_at_the_boundary_and_the_loop_on_them(spec_dirs, prompt, batch_prompts, greedy_on_replay, kind,
+                                                     dtype):
     torch._dynamo.reset()
     tr.clear()
     m = load(spec_dirs, kind, dtype, backend="torchneuron")
@@ -95,6 +103,10 @@ def test_graphs_at_the_boundary_and_the_loop_on_them(spec_dirs, prompt, greedy_o
         # the CPU backend's tokens: eager graphs in this process (the same device branch: cpu_kernels.CPU_OPS is off)
         with load(spec_dirs, kind, dtype) as eager:
             assert got == eager.generate(prompt.input_ids, prompt.input_features, max_new_tokens=N_NEW)[0].tolist()
+            # two sequences in one batch (batch-2 graphs, two KV slots) on the replayed modules: eager's tokens
+            batch = [x[0].tolist() for x in m.generate(*batch_prompts, max_new_tokens=N_NEW)]
+            assert batch == [x[0].tolist() for x in eager.generate(*batch_prompts, max_new_tokens=N_NEW)]
+            assert batch[0] == got
     elif kind != "none":
         # bf16: XLA:CPU rounds bf16 otherwise than torch's CPU kernels (the tokens part from eager's within ~6 here,
         # and neither is the device), so the promise is checked inside the backend: speculation == plain greedy
@@ -165,9 +177,8 @@ def test_tp2_collectives_name_every_rank_and_every_rank_traces_the_same_graph(sp
             engine = build_engine(spec_dirs["target"], draft=spec_dirs["layers_high"], draft_kind="layers", k=2,
                                   buckets=B, tp=2, rank=rank, comm=DistComm(rank, 2))
             for spec in graph_plan(engine.setup):
-                name = f"{spec.tag}[{spec.bucket}]"
-                name_neuron_graph(name)
-                graph = CompiledGraph(engine.graphs[(spec.tag, spec.bucket)], torchneuron_target(), torch.device("cpu"))
+                name_neuron_graph(spec.name)
+                graph = CompiledGraph(engine.graphs[spec.key], torchneuron_target(), torch.device("cpu"))
                 with pytest.raises(Exception, match="Lowering Torch FX IR"):
                     graph(*example_inputs(spec, engine.setup))
             for r in tr.failures():
