@@ -1,9 +1,11 @@
 """The host loop over the graphs (gpt-fast style): prefill one sequence into its KV slot, then steps that advance
 every active sequence at once, plain greedy or speculative. Each fits on a screen.
 
-A sequence's tokens never depend on its batch-mates: every graph computes each row on its own (row-invariant
-kernels on CPU, no cross-row reduction anywhere), each sequence reads only its own KV slot, and padding rows of
-a batch bucket write into free slots, which a later prefill overwrites before anything reads them.
+On CPU a sequence's tokens never depend on its batch-mates: every graph computes each row on its own
+(row-invariant kernels, no cross-row reduction anywhere), each sequence reads only its own KV slot, and padding
+rows of a batch bucket write into free slots, which a later prefill overwrites before anything reads them. On a
+device the graphs are the same, but whether its kernels give a row the same bits at every batch bucket is
+unverified (docs/neuron.md).
 """
 from __future__ import annotations
 

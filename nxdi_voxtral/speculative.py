@@ -116,7 +116,7 @@ class DFlashDrafter:
         return proposals[:len(seqs)].tolist()
 
     def accepted(self, seq: Sequence, a: int, features) -> None:
-        seq.pending = features[: a + 1]
+        seq.pending = features[: a + 1].clone()  # not a view: a finished sequence would pin the whole verify output
 
 
 def ngram_propose(history: list[int], k: int, max_n: int = 3) -> list[int]:

@@ -4,8 +4,8 @@ Audio longer than the largest audio bucket is transcribed one window at a time. 
 (a path, the bytes of an upload or an array) as a stream of mono blocks at the source rate, cuts a window every
 `window_s` seconds at the quietest 20 ms frame of the last `search_s` seconds before that limit (so a cut falls
 in a pause rather than inside a word), and resamples each window on its own to 16 kHz mono float32, as
-`processing.load_audio` does for a whole clip. At most about one window plus one search region of source-rate
-samples is held, however long the file.
+`processing.load_audio` does for a whole clip. At most one window plus one 20 ms frame of look-ahead of
+source-rate samples is held, however long the file.
 """
 from __future__ import annotations
 

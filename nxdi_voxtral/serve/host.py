@@ -295,7 +295,8 @@ class Running:
     index: int
     start_s: float
     end_s: float
-    prompt: Prompt
+    prompt_tokens: int
+    audio_s: float  # the prompt's own audio (what the audio-seconds metric counts); its features are not kept
     seq: gen.Sequence | None = None
 
 
@@ -609,6 +610,9 @@ class Host:
             self.metrics.running.set(len(self.running))
             return True
         request.timings["features_s"] += time.perf_counter() - t0
+        if not request.windowed and item is not None:  # its one prompt: done pulling, so it finishes with its sequence
+            request.prompts.close()
+            request.prompts = None
         if item is None:  # every window was pulled
             request.prompts = None
             if not request.active:
@@ -629,7 +633,7 @@ class Host:
                 raise AudioTooLongError(f"a prompt of {prompt_len} tokens leaves no room in the largest KV bucket "
                                         f"({m.buckets.kv_lengths[-1]})")
             max_new = min(self.max_new_tokens, room, job.max_new_tokens or self.max_new_tokens)
-            r = Running(request, len(request.windows), start_s, end_s, prompt)
+            r = Running(request, len(request.windows), start_s, end_s, prompt_len, prompt.duration_s)
             if job.emit and not request.windows:
                 job.emit(("start", loaded.version))
             t1 = time.perf_counter()
@@ -723,7 +727,7 @@ class Host:
                        decode_tokens_per_s=steps / timings["decode_s"] if steps and timings["decode_s"] > 0 else 0.0)
         stats = SpecStats.merged([r.seq.stats for r in windows])
         self.metrics.tokens.inc(len(ids))
-        self.metrics.audio_seconds.inc(sum(r.prompt.duration_s for r in windows))
+        self.metrics.audio_seconds.inc(sum(r.audio_s for r in windows))
         if m.setup.draft_kind and stats.verify_calls:
             self.metrics.tau.observe(stats.tau)
         self.metrics.passes_per_token.observe(stats.target_passes / max(1, len(ids)))
@@ -731,7 +735,7 @@ class Host:
         request.future.set_result(Result(
             text=joined([s.text for s in segments], request.windowed), token_ids=ids,
             finish_reason="stop" if all(s.token_ids[-1] == eos for s in segments) else "length",
-            duration_s=segments[-1].end, prompt_tokens=sum(r.prompt.input_ids.shape[1] for r in windows),
+            duration_s=segments[-1].end, prompt_tokens=sum(r.prompt_tokens for r in windows),
             timings=timings, stats=stats.summary(), version=request.loaded.version, segments=segments))
 
     def _test_hold(self) -> None:
