@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .. import compiled
 from ..errors import ArtifactError
+from ..graphs import GraphSpec
 from .inductor import TorchCompile
 
 SUPPORTED = "Neuron SDK >= 2.34 (torch-neuronx registering the torch.compile backend 'neuron'), Trn2 / Trn3"
@@ -35,7 +36,7 @@ class TorchNeuron(TorchCompile):
             missed = sorted(set(r.get("neff_keys", ())) - built[(r["tag"], r["bucket"], r["batch"])])
             if missed:
                 ranks.close()
-                raise ArtifactError(f"{r['tag']}[{r['bucket']}, batch {r['batch']}]: compiled to NEFF cache key {missed[0][:16]}..., "
+                raise ArtifactError(f"{GraphSpec(r['tag'], r['bucket'], r['batch']).name}: compiled to NEFF cache key {missed[0][:16]}..., "
                                     f"which {art_dir} does not hold (another compiler, flags or torch than the "
                                     f"build's?); rebuild with `python -m compile.build --backend torchneuron`")
         return ranks, stats
