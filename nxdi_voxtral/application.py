@@ -289,6 +289,18 @@ class NxDVoxtralSpecDec:
         window_s = self.buckets.max_audio_seconds(self.cfg)
         return window_s, min(SEARCH_S, window_s / 4)
 
+    def window_prompts(self, audio, language: str | None = None, sampling_rate: int | None = None,
+                       max_audio_s: float = MAX_AUDIO_S, strict: bool = False):
+        """Audio -> a lazy iterator of (start_s, end_s, Prompt), one per window (windows.py; one window for audio
+        that fits the largest audio bucket). The header is checked now; a window is decoded when it is pulled."""
+        from .windows import audio_windows
+        window_s, search_s = self.window_seconds()
+        windows = audio_windows(audio, sampling_rate, window_s=window_s, search_s=search_s, max_seconds=max_audio_s,
+                                strict=strict)
+        a = self.cfg.audio
+        return ((w.start_s, w.end_s, build_prompt(self.tokenizer, w.samples, language, a.num_mel_bins,
+                                                  a.mel_frames_per_chunk)) for w in windows)
+
     def transcribe(self, audio, language: str | None = None, sampling_rate: int | None = None,
                    max_new_tokens: int = 256, strict: bool = False, max_audio_s: float = MAX_AUDIO_S):
         """Audio (a path, the bytes of an upload or an array with sampling_rate) -> Transcription; a list of them ->
@@ -298,23 +310,18 @@ class NxDVoxtralSpecDec:
         decoded window by window, as slots free up, so memory holds about a batch of windows however long the
         audio. max_new_tokens applies per window."""
         from .processing import check_language
-        from .windows import audio_windows
         batched = isinstance(audio, (list, tuple)) and len(audio) > 0 and not isinstance(audio[0], (int, float))
         clips = list(audio) if batched else [audio]
         t0 = time.perf_counter()
         check_language(language)
-        window_s, search_s = self.window_seconds()
-        streams = [audio_windows(c, sampling_rate, window_s=window_s, search_s=search_s, max_seconds=max_audio_s,
-                                 strict=strict) for c in clips]
+        streams = [self.window_prompts(c, language, sampling_rate, max_audio_s, strict) for c in clips]
         owners = []  # (clip, start, end) of every window, in the order of the prompts
-        a = self.cfg.audio
 
         def prompts():
             for i, windows in enumerate(streams):
-                for w in windows:
-                    p = build_prompt(self.tokenizer, w.samples, language, a.num_mel_bins, a.mel_frames_per_chunk)
+                for start, end, p in windows:
                     self.setup.check_capacity(p.input_ids.shape[-1], max_new_tokens)
-                    owners.append((i, w.start_s, w.end_s))
+                    owners.append((i, start, end))
                     yield self.check_inputs(p.input_ids, p.input_features)
 
         timings = {}

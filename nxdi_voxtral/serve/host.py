@@ -33,9 +33,8 @@ import numpy as np
 from .. import generate as gen
 from ..application import MAX_AUDIO_S, Segment
 from ..errors import ArtifactError, AudioTooLongError, ConfigError, VoxtralError
-from ..processing import SAMPLE_RATE, Prompt, build_prompt, decode
+from ..processing import SAMPLE_RATE, Prompt, decode
 from ..speculative import SpecStats
-from ..windows import audio_windows
 from ..graphs import DTYPE_NAMES as DTYPES, batch_sizes_up_to
 
 log = logging.getLogger(__name__)
@@ -593,11 +592,7 @@ class Host:
             prompt = m.prepare(job.audio, job.language)
             yield 0.0, prompt.duration_s, prompt
             return
-        window_s, search_s = m.window_seconds()
-        a = m.cfg.audio
-        for w in audio_windows(job.audio, window_s=window_s, search_s=search_s, max_seconds=self.max_audio_s):
-            yield w.start_s, w.end_s, build_prompt(m.tokenizer, w.samples, job.language, a.num_mel_bins,
-                                                   a.mel_frames_per_chunk)
+        yield from m.window_prompts(job.audio, job.language, max_audio_s=self.max_audio_s)
 
     def _start_window(self, request: Request) -> bool:
         """Pull the request's next prompt (decoding its window) and prefill it -> False when it had none left (then
